@@ -1,0 +1,16 @@
+"""apollo_py: a just-in-time fusion compiler for deep-learning graphs (after APOLLO, MLSys 2022).
+
+Public API: :func:`jit`, :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the
+error classes.  Heavy modules (onnx, islpy, llvmlite, pycuda) load on first use.
+"""
+from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, RuleError,
+                     ShapeError, UnsupportedOpError)
+from .options import Options
+from .ir import Graph, GraphBuilder, TensorType
+from .api import CompiledGraph, jit
+
+__version__ = "0.1.0"
+
+__all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
+           "InputError", "ModelLoadError", "Options", "RuleError", "ShapeError", "TensorType",
+           "UnsupportedOpError", "jit", "__version__"]

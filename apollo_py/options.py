@@ -1,0 +1,35 @@
+"""Compiler options: one frozen dataclass, passed explicitly to every pass (no env globals)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "apollo_py")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the compiler may do and where it keeps its files.
+
+    ``target``: "cpu" (LLVM), "c", "cuda" or "reference" (numpy oracle).
+    ``rules_overlay``: path of a user TOML overlay for the partition rule table.
+    ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).
+    ``num_threads``: runtime worker threads (None = all cores).
+    ``cache_dir``: piecewise cache and default feedback log location.
+    ``feedback_path``: JSON-lines feedback log (None = ``<cache_dir>/feedback.jsonl``).
+    """
+
+    target: str = "reference"
+    rules_overlay: str | None = None
+    schedule_budget: int = 200_000
+    num_threads: int | None = None
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    feedback_path: str | None = None
+    tile_sizes: tuple[int, ...] | None = None
+    preprocess: bool = True
+    model_name: str = ""
+
+    def replace(self, **kw) -> "Options":
+        return replace(self, **kw)
