@@ -1,0 +1,113 @@
+"""Liveness-based memory plan for the intermediates of a compiled graph (DESIGN §9).
+
+Steps run in order; an intermediate lives from the step that writes it to the last step that
+reads it.  Intermediates are packed into one arena by greedy best-fit over lifetimes (largest
+first), so buffers whose lifetimes do not overlap share memory.  Graph inputs are the caller's
+arrays; graph outputs are handed out per call (they escape to the user).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+ALIGN = 64  # bytes: a cache line, and enough for 512-bit vector loads
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One intermediate: byte offset in the arena, size, and live range [first, last] step."""
+
+    value: str
+    offset: int
+    nbytes: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Arena layout: ``slots`` by value name, ``arena_bytes`` total, ``naive_bytes`` without reuse."""
+
+    slots: Mapping[str, Slot]
+    arena_bytes: int
+    naive_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.arena_bytes
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_memory(steps: Sequence[tuple[Sequence[str], Sequence[str]]], nbytes: Mapping[str, int],
+                external: set[str]) -> MemoryPlan:
+    """Pack the intermediates of ``steps`` (a list of (inputs, outputs) value names).
+
+    ``nbytes`` gives each value's size; values in ``external`` (graph inputs, outputs and
+    constants) are not placed in the arena.
+    """
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for k, (ins, outs) in enumerate(steps):
+        for v in outs:
+            if v not in external:
+                first.setdefault(v, k)
+                last.setdefault(v, k)
+        for v in ins:
+            if v in first:
+                last[v] = k
+    order = sorted(first, key=lambda v: (-nbytes[v], first[v], v))
+    placed: list[Slot] = []
+    for v in order:
+        size = _align(max(nbytes[v], 1))
+        lo, hi = first[v], last[v]
+        busy = sorted((s.offset, s.offset + _align(max(s.nbytes, 1))) for s in placed
+                      if not (s.last < lo or s.first > hi))
+        best, best_gap, cursor = None, None, 0
+        for a, b in busy:
+            gap = a - cursor
+            if gap >= size and (best_gap is None or gap < best_gap):
+                best, best_gap = cursor, gap
+            cursor = max(cursor, b)
+        offset = best if best is not None else cursor
+        placed.append(Slot(v, offset, nbytes[v], lo, hi))
+    arena = max((s.offset + _align(max(s.nbytes, 1)) for s in placed), default=0)
+    naive = sum(_align(max(nbytes[v], 1)) for v in first)
+    return MemoryPlan({s.value: s for s in placed}, arena, naive)
+
+
+class Arena:
+    """One pre-faulted block holding every intermediate of a plan; views are made once."""
+
+    def __init__(self, plan: MemoryPlan, types: Mapping):
+        self.block = np.zeros(max(plan.arena_bytes, ALIGN) + ALIGN, dtype=np.uint8)
+        base = (-self.block.ctypes.data) % ALIGN
+        self.views: dict[str, np.ndarray] = {}
+        for v, s in plan.slots.items():
+            t = types[v]
+            raw = self.block[base + s.offset: base + s.offset + s.nbytes]
+            self.views[v] = raw.view(t.np_dtype).reshape(t.shape)
+
+
+class ArenaPool:
+    """Arenas for concurrent calls: each call borrows one (created on demand) and returns it."""
+
+    def __init__(self, plan: MemoryPlan, types: Mapping):
+        import threading
+        self._plan, self._types = plan, types
+        self._free: list[Arena] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Arena:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return Arena(self._plan, self._types)
+
+    def release(self, arena: Arena) -> None:
+        with self._lock:
+            self._free.append(arena)
