@@ -1,0 +1,263 @@
+"""Branch-free float32 math functions as LLVM IR text, so that loops calling them vectorise.
+
+``llvm.exp.v16f32`` and friends are scalarised into libm calls on x86 (measured 6x slower
+for softmax), so exp, log, tanh, erf, sigmoid and pow are written here as polynomials with
+``select`` for the special cases.  Each function is ``internal`` and ``alwaysinline``; after
+inlining the loop vectoriser sees only arithmetic, compares, selects and bit casts.
+
+Algorithms (max relative error vs numpy in float32 is checked by tests/codegen):
+
+* exp: Cephes ``expf`` -- n = rint(x log2 e), Cody-Waite reduction r = x - n ln2 (two
+  constants), degree-6 polynomial, scale by 2^n as two factors 2^(n>>1) 2^(n-(n>>1)) so
+  results that overflow become inf and results in the subnormal range round once.  Input
+  clamped to [-104, 88.8]; NaN propagates.
+* log: Cephes ``logf`` -- frexp by bit manipulation (subnormals pre-scaled by 2^23),
+  mantissa folded to [sqrt(1/2), sqrt(2)), degree-8 polynomial; log(0) = -inf,
+  log(x < 0) = nan, log(inf) = inf.
+* tanh: |x| < 0.625: Cephes ``tanhf`` odd polynomial; else sign(x) (1 - 2 / (exp(2|x|) + 1)).
+* erf: |x| < 1: Cephes ``erff`` odd polynomial; else sign(x) (1 - erfc(|x|)) with Cephes
+  ``erfcf`` (exp(-x^2) / x times a polynomial in 1/x^2), clamped at |x| = 4 where erf = +-1 in
+  float32.
+* sigmoid: 1 / (1 + exp(-x)).
+* pow (non-constant exponent): exp(b log|a|) with the sign fixed for negative bases and
+  integral exponents; exactly 1 when b == 0 or a == 1.
+"""
+from __future__ import annotations
+
+import struct
+
+FLAGS = "nsz contract"  # no nnan/ninf: the special cases below rely on inf/nan compares
+
+
+def fconst(value: float) -> str:
+    """Return the LLVM IR literal of ``value`` rounded to float32 (hex double form)."""
+    f32 = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", f32))[0]
+
+
+def dconst(value: float) -> str:
+    """Return the LLVM IR literal of the float64 ``value``."""
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+
+
+INF = "0x7FF0000000000000"
+NINF = "0xFFF0000000000000"
+NAN = "0x7FF8000000000000"
+
+
+class _Fn:
+    """Accumulates the SSA lines of one float function."""
+
+    def __init__(self):
+        self.lines = []
+        self.n = 0
+
+    def op(self, text: str) -> str:
+        self.n += 1
+        reg = f"%v{self.n}"
+        self.lines.append(f"  {reg} = {text}")
+        return reg
+
+    def f(self, opc: str, a: str, b: str) -> str:
+        return self.op(f"{opc} {FLAGS} float {a}, {b}")
+
+    def poly(self, x: str, coeffs) -> str:
+        """Horner evaluation of sum(c_k x^(n-k)) with fused multiply-adds."""
+        acc = fconst(coeffs[0])
+        for c in coeffs[1:]:
+            acc = self.op(f"call float @llvm.fma.f32(float {acc}, float {x}, float {fconst(c)})")
+        return acc
+
+    def sel(self, cond: str, a: str, b: str, ty: str = "float") -> str:
+        return self.op(f"select i1 {cond}, {ty} {a}, {ty} {b}")
+
+    def cmp(self, pred: str, a: str, b: str) -> str:
+        return self.op(f"fcmp {pred} float {a}, {b}")
+
+
+def _exp(fn: _Fn, x: str) -> str:
+    lo = fn.cmp("olt", x, fconst(-104.0))
+    x1 = fn.sel(lo, fconst(-104.0), x)
+    hi = fn.cmp("ogt", x1, fconst(88.8))
+    x2 = fn.sel(hi, fconst(88.8), x1)
+    t = fn.f("fmul", x2, fconst(1.44269504088896341))
+    n = fn.op(f"call float @llvm.rint.f32(float {t})")
+    isnan = fn.cmp("uno", x, x)
+    n = fn.sel(isnan, fconst(0.0), n)
+    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(-0.693359375)}, float {x2})")
+    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(2.12194440e-4)}, float {r})")
+    p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
+                    1.6666665459E-1, 5.0000001201E-1])
+    z = fn.f("fmul", r, r)
+    y = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
+    y = fn.f("fadd", y, fconst(1.0))
+    ni = fn.op(f"fptosi float {n} to i32")
+    n1 = fn.op(f"ashr i32 {ni}, 1")
+    n2 = fn.op(f"sub i32 {ni}, {n1}")
+    scales = []
+    for k in (n1, n2):
+        b = fn.op(f"add i32 {k}, 127")
+        b = fn.op(f"shl i32 {b}, 23")
+        scales.append(fn.op(f"bitcast i32 {b} to float"))
+    y = fn.f("fmul", y, scales[0])
+    return fn.f("fmul", y, scales[1])
+
+
+def _log(fn: _Fn, x: str) -> str:
+    den = fn.cmp("olt", x, fconst(1.17549435e-38))
+    xs = fn.f("fmul", x, fconst(8388608.0))
+    xa = fn.sel(den, xs, x)
+    ea = fn.sel(den, "-23", "0", "i32")
+    bits = fn.op(f"bitcast float {xa} to i32")
+    ex = fn.op(f"lshr i32 {bits}, 23")
+    ex = fn.op(f"and i32 {ex}, 255")
+    e = fn.op(f"add i32 {ex}, -126")
+    e = fn.op(f"add i32 {e}, {ea}")
+    mb = fn.op(f"and i32 {bits}, 8388607")
+    mb = fn.op(f"or i32 {mb}, 1056964608")
+    m = fn.op(f"bitcast i32 {mb} to float")
+    small = fn.cmp("olt", m, fconst(0.707106781186547524))
+    dec = fn.op(f"zext i1 {small} to i32")
+    e = fn.op(f"sub i32 {e}, {dec}")
+    m2 = fn.f("fadd", m, m)
+    mm = fn.sel(small, m2, m)
+    xr = fn.f("fsub", mm, fconst(1.0))
+    z = fn.f("fmul", xr, xr)
+    p = fn.poly(xr, [7.0376836292E-2, -1.1514610310E-1, 1.1676998740E-1, -1.2420140846E-1,
+                     1.4249322787E-1, -1.6668057665E-1, 2.0000714765E-1, -2.4999993993E-1,
+                     3.3333331174E-1])
+    y = fn.f("fmul", xr, z)
+    y = fn.f("fmul", y, p)
+    fe = fn.op(f"sitofp i32 {e} to float")
+    y = fn.op(f"call float @llvm.fma.f32(float {fe}, float {fconst(-2.12194440e-4)}, float {y})")
+    y = fn.op(f"call float @llvm.fma.f32(float {z}, float {fconst(-0.5)}, float {y})")
+    r = fn.f("fadd", xr, y)
+    r = fn.op(f"call float @llvm.fma.f32(float {fe}, float {fconst(0.693359375)}, float {r})")
+    r = fn.sel(fn.cmp("oeq", x, fconst(0.0)), NINF, r)
+    r = fn.sel(fn.cmp("olt", x, fconst(0.0)), NAN, r)
+    r = fn.sel(fn.cmp("oeq", x, INF), INF, r)
+    return fn.sel(fn.cmp("uno", x, x), x, r)
+
+
+def _tanh(fn: _Fn, x: str) -> str:
+    ax = fn.op(f"call float @llvm.fabs.f32(float {x})")
+    e = fn.op(f"call float @ap.expf(float {fn.f('fadd', ax, ax)})")
+    d = fn.f("fadd", e, fconst(1.0))
+    q = fn.f("fdiv", fconst(2.0), d)
+    big = fn.f("fsub", fconst(1.0), q)
+    big = fn.op(f"call float @llvm.copysign.f32(float {big}, float {x})")
+    z = fn.f("fmul", x, x)
+    p = fn.poly(z, [-5.70498872745E-3, 2.06390887954E-2, -5.37397155531E-2,
+                    1.33314422036E-1, -3.33332819422E-1])
+    xz = fn.f("fmul", x, z)
+    small = fn.op(f"call float @llvm.fma.f32(float {xz}, float {p}, float {x})")
+    return fn.sel(fn.cmp("olt", ax, fconst(0.625)), small, big)
+
+
+def _erf(fn: _Fn, x: str) -> str:
+    ax = fn.op(f"call float @llvm.fabs.f32(float {x})")
+    z = fn.f("fmul", x, x)
+    ps = fn.poly(z, [7.853861353153693E-5, -8.010193625184903E-4, 5.188327685732524E-3,
+                     -2.685381193529856E-2, 1.128358514861418E-1, -3.761262582423300E-1,
+                     1.128379165726710E0])
+    small = fn.f("fmul", x, ps)
+    # erfc(a) = exp(-a^2) / a * R(1/a^2) for 1 <= a (Cephes erfcf), a clamped to [1, 4].
+    a = fn.sel(fn.cmp("olt", ax, fconst(1.0)), fconst(1.0), ax)
+    a = fn.sel(fn.cmp("ogt", a, fconst(4.0)), fconst(4.0), a)
+    a2 = fn.f("fmul", a, a)
+    na2 = fn.op(f"fneg {FLAGS} float {a2}")
+    ex = fn.op(f"call float @ap.expf(float {na2})")
+    inv = fn.f("fdiv", fconst(1.0), a)
+    w = fn.f("fmul", inv, inv)
+    # exact a^2 = a2 + err, so exp(-a^2) ~= exp(-a2) (1 - err)
+    err = fn.op(f"call float @llvm.fma.f32(float {a}, float {a}, float {na2})")
+    nex = fn.op(f"fneg {FLAGS} float {ex}")
+    ex = fn.op(f"call float @llvm.fma.f32(float {nex}, float {err}, float {ex})")
+    lt2 = fn.cmp("olt", a, fconst(2.0))
+    # erfc(a) = exp(-a^2) / a * (P or R)(1/a^2), P on [1, 2), R on [2, 4]
+    r1 = fn.poly(w, [2.326819970068386E-2, -1.387039388740657E-1, 3.687424674597105E-1,
+                       -5.824733027278666E-1, 6.210004621745983E-1, -4.944515323274145E-1,
+                       3.404879937665872E-1, -2.741127028184656E-1, 5.638259427386472E-1])
+    r2 = fn.poly(w, [-1.047766399936249E1, 1.297719955372516E1, -7.495518717768503E0,
+                     2.921019019210786E0, -1.015265279202700E0, 4.218463358204948E-1,
+                     -2.820767439740514E-1, 5.641895067754075E-1])
+    r = fn.sel(lt2, r1, r2)
+    erfc = fn.f("fmul", ex, inv)
+    erfc = fn.f("fmul", erfc, r)
+    big = fn.f("fsub", fconst(1.0), erfc)
+    big = fn.op(f"call float @llvm.copysign.f32(float {big}, float {x})")
+    return fn.sel(fn.cmp("olt", ax, fconst(1.0)), small, big)
+
+
+def _sigmoid(fn: _Fn, x: str) -> str:
+    nx = fn.op(f"fneg {FLAGS} float {x}")
+    e = fn.op(f"call float @ap.expf(float {nx})")
+    d = fn.f("fadd", e, fconst(1.0))
+    return fn.f("fdiv", fconst(1.0), d)
+
+
+def _pow(fn: _Fn, a: str, b: str) -> str:
+    aa = fn.op(f"call float @llvm.fabs.f32(float {a})")
+    la = fn.op(f"call float @ap.logf(float {aa})")
+    t = fn.f("fmul", b, la)
+    r = fn.op(f"call float @ap.expf(float {t})")
+    fb = fn.op(f"call float @llvm.floor.f32(float {b})")
+    isint = fn.cmp("oeq", fb, b)
+    half = fn.f("fmul", b, fconst(0.5))
+    fh = fn.op(f"call float @llvm.floor.f32(float {half})")
+    odd = fn.op(f"and i1 {isint}, {fn.cmp('une', fh, half)}")
+    nr = fn.op(f"fneg {FLAGS} float {r}")
+    signed = fn.sel(odd, nr, r)
+    neg_res = fn.sel(isint, signed, NAN)
+    res = fn.sel(fn.cmp("olt", a, fconst(0.0)), neg_res, r)
+    res = fn.sel(fn.cmp("oeq", b, fconst(0.0)), fconst(1.0), res)
+    return fn.sel(fn.cmp("oeq", a, fconst(1.0)), fconst(1.0), res)
+
+
+_BUILDERS = {"expf": (_exp, 1), "logf": (_log, 1), "tanhf": (_tanh, 1), "erff": (_erf, 1),
+             "sigmoidf": (_sigmoid, 1), "powf": (_pow, 2)}
+#: functions each helper calls, so a module includes them too
+DEPENDS = {"tanhf": ("expf",), "erff": ("expf",), "sigmoidf": ("expf",),
+           "powf": ("expf", "logf")}
+
+INTRINSIC_DECLS = """\
+declare float @llvm.fma.f32(float, float, float)
+declare float @llvm.rint.f32(float)
+declare float @llvm.fabs.f32(float)
+declare float @llvm.floor.f32(float)
+declare float @llvm.copysign.f32(float, float)
+"""
+
+
+def helper_names(used) -> list:
+    """Return the helpers needed for ``used`` (names like ``"expf"``), dependencies included."""
+    out = []
+    stack = list(used)
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.append(n)
+            stack.extend(DEPENDS.get(n, ()))
+    return sorted(out)
+
+
+def render_helpers(used) -> str:
+    """Return LLVM IR text defining ``@ap.<name>`` for each helper in ``used`` (+ deps).
+
+    Expects names from ``expf logf tanhf erff sigmoidf powf``; the text includes the
+    intrinsic declarations it needs, so it must appear once per module.
+    """
+    names = helper_names(used)
+    if not names:
+        return ""
+    parts = [INTRINSIC_DECLS]
+    for name in names:
+        builder, arity = _BUILDERS[name]
+        fn = _Fn()
+        args = ["%a", "%b"][:arity]
+        res = builder(fn, *args)
+        sig = ", ".join(f"float {a}" for a in args)
+        body = "\n".join(fn.lines)
+        parts.append(f"define internal float @ap.{name}({sig}) #1 {{\n{body}\n"
+                     f"  ret float {res}\n}}\n")
+    return "\n".join(parts)
