@@ -9,6 +9,11 @@ from apollo_py.ops import all_ops, classify
 F = "float32"
 
 
+def _relu_node_hex():
+    import onnx
+    return onnx.helper.make_node("Relu", ["x"], ["y"], name="r").SerializeToString().hex()
+
+
 def _node_class(build):
     b = GraphBuilder()
     out = build(b)
@@ -49,6 +54,8 @@ CASES = {
     "pad": ("opaque", lambda b: b.pad(x(b), pads=(1, 1, 1, 1))),
     "gather": ("opaque", lambda b: b.gather(x(b), x(b, (3,), "int64", "i"), axis=0)),
     "matmul": ("opaque", lambda b: b.matmul(x(b), x(b, (8, 2), name="w"))),
+    "onnx_op": ("opaque", lambda b: b.op("onnx_op", x(b), node=_relu_node_hex(), opset=17, op_type="Relu",
+                                         out_types=(((4, 8), "float32"),))[0]),
     "conv": ("opaque", lambda b: b.conv(x(b, (1, 2, 8, 8)), x(b, (3, 2, 3, 3), name="w"), strides=(1, 1),
                                         pads=(1, 1, 1, 1), dilations=(1, 1))),
 }
@@ -90,3 +97,13 @@ def test_avg_pool_window_with_padding_is_reduction():
         return b.window_reduce(x(b, (1, 1, 5, 5)), reducer="sum", kernel=(3, 3), strides=(2, 2),
                                pads=(1, 1, 1, 1), dilations=(1, 1))
     assert _node_class(build) == "reduction"
+
+
+def test_fallback_op_runs_through_onnx_reference():
+    from apollo_py.runtime.reference import evaluate
+    b = GraphBuilder()
+    v = b.input("x", (4, 8))
+    y = b.op("onnx_op", v, node=_relu_node_hex(), opset=17, op_type="Relu", out_types=(((4, 8), "float32"),))[0]
+    g = b.build([y])
+    a = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_array_equal(evaluate(g, {"x": a})[0], np.maximum(a, 0))
