@@ -1,0 +1,141 @@
+"""Loop-IR templates for the canonical reduce forms (DESIGN.md section 5).
+
+Forms: all-reduce ``[R]``, x-reduce ``[P, R]`` (reduce the innermost contiguous dim) and
+y-reduce ``[R, P]`` (reduce the outer dim, keep the inner).  Ops: sum, max, min, prod.
+
+The element to reduce comes from a builder ``element(p, r) -> Expr`` (for all-reduce ``p`` is
+the constant 0), so any fused elementwise prologue can be reduced without a temporary; a
+``finalize(p, acc) -> Expr`` epilogue (e.g. divide by R for a mean) is applied before the store.
+
+Summation order (reproducible, independent of the thread count):
+
+* all-reduce and x-reduce use ``lanes`` partial accumulators: lane ``l`` combines the
+  elements ``r = l, l + lanes, l + 2 lanes, ...`` of the full blocks in increasing ``r``; the
+  ``R mod lanes`` tail elements ``r = base + t`` are then combined into lane ``t``; finally
+  the lanes are folded left to right, ``((acc0 op acc1) op acc2) ...``.  The lane loop is
+  independent across lanes, so LLVM vectorises it without ``reassoc``.
+* y-reduce keeps one accumulator per output column ``p`` and combines rows ``r = 0 .. R-1``
+  in order (the vector loop runs across ``p``); the parallel loop runs over tiles of ``tile``
+  columns.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from apollo_py.codegen import loopir as L
+from apollo_py.errors import CompileError
+
+REDUCE_OPS = ("sum", "max", "min", "prod")
+REDUCE_FORMS = ("all", "x", "y")
+
+
+def identity(op: str, dtype: str) -> L.Const:
+    """Return the identity element of reduce ``op`` for compute dtype ``dtype``."""
+    if op not in REDUCE_OPS:
+        raise CompileError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
+    if op == "sum":
+        return L.Const(0, dtype)
+    if op == "prod":
+        return L.Const(1, dtype)
+    if dtype == "bool":
+        return L.Const(op == "min", "bool")
+    if L.is_float(dtype):
+        return L.Const(float("-inf") if op == "max" else float("inf"), dtype)
+    bits = 63 if dtype == "int64" else 31
+    return L.Const(-(2 ** bits) if op == "max" else 2 ** bits - 1, dtype)
+
+
+def combine(op: str, a: L.Expr, b: L.Expr) -> L.Expr:
+    """Return the expression ``a op b`` for reduce ``op`` (max/min propagate NaN)."""
+    if op == "sum":
+        return L.Bin("add", a, b)
+    if op == "prod":
+        return L.Bin("mul", a, b)
+    if op == "max":
+        return L.Bin("max", a, b)
+    if op == "min":
+        return L.Bin("min", a, b)
+    raise CompileError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
+
+
+def lane_reduce(name: str, op: str, dtype: str, lo, hi,
+                element: Callable[[L.Expr], L.Expr], lanes: int = 16):
+    """Statements reducing ``element(r)`` for ``r`` in ``[lo, hi)`` into a Local ``name``.
+
+    Expects int64 bounds (Exprs or ints) and an element builder returning ``dtype`` values;
+    returns ``(stmts, var)`` where ``stmts`` is a list to splice into a Block and ``var`` the
+    Local's Var holding the result after them.  Uses an Alloc ``<name>_lanes`` of ``lanes``
+    partial accumulators (order documented in the module docstring).
+    """
+    if lanes < 1:
+        raise CompileError(f"lane_reduce needs lanes >= 1, got {lanes}")
+    lo, hi = L.as_expr(lo), L.as_expr(hi)
+    acc = L.Alloc(f"{name}_lanes", dtype, lanes)
+    l_, c, t = L.Var(f"{name}_l"), L.Var(f"{name}_c"), L.Var(f"{name}_t")
+    nblocks = L.Var(f"{name}_nb")
+    base = L.Var(f"{name}_base")
+    stmts = [
+        acc,
+        L.For(l_, 0, lanes, L.Store(acc, l_, identity(op, dtype)), "unroll"),
+        L.Local(nblocks.name, "int64", (hi - lo) // lanes),
+        L.For(c, 0, nblocks, L.Block((
+            L.For(l_, 0, lanes, L.Store(acc, l_, combine(
+                op, acc[l_], element(lo + c * lanes + l_))), "vector"),)), "serial"),
+        L.Local(base.name, "int64", lo + nblocks * lanes),
+        L.For(t, base, hi, L.Store(acc, t - base, combine(op, acc[t - base], element(t)))),
+        L.Local(name, dtype, acc[L.Const(0)]),
+        L.For(l_, 1, lanes, L.Assign(name, combine(op, L.Var(name, dtype), acc[l_])), "unroll"),
+    ]
+    return stmts, L.Var(name, dtype)
+
+
+def reduce_kernel(name: str, form: str, op: str, params, out: L.Param, shape,
+                  element: Callable[[L.Expr, L.Expr], L.Expr], dtype: Optional[str] = None,
+                  finalize: Optional[Callable[[L.Expr, L.Expr], L.Expr]] = None,
+                  lanes: int = 16, tile: int = 64) -> L.Kernel:
+    """Build a Kernel computing one canonical reduction.
+
+    ``form`` is ``"all"`` (``shape = (R,)``), ``"x"`` (``shape = (P, R)``) or ``"y"``
+    (``shape = (R, P)``); ``params`` are all buffer params (``out`` among them);
+    ``element(p, r)`` builds the element at parallel index ``p`` and reduce index ``r``;
+    ``dtype`` is the accumulator dtype (default: ``out``'s compute dtype); ``finalize(p, acc)``
+    maps the result before the store to ``out[p]``.  x- and y-reduce kernels are parallel
+    (over rows, resp. tiles of ``tile`` columns); all-reduce runs on one thread.
+    """
+    if form not in REDUCE_FORMS:
+        raise CompileError(f"reduce kernel {name!r}: unknown form {form!r}")
+    dtype = dtype or L.compute_dtype(out.dtype)
+    fin = finalize or (lambda p, acc: acc)
+
+    def store(p: L.Expr, acc: L.Expr) -> L.Store:
+        v = fin(p, acc)
+        want = L.compute_dtype(out.dtype)
+        return L.Store(out, p, v if v.dtype == want else L.Cast(want, v))
+
+    if form == "all":
+        (r_extent,) = shape
+        zero = L.Const(0)
+        stmts, acc = lane_reduce("acc", op, dtype, 0, r_extent,
+                                 lambda r: element(zero, r), lanes)
+        return L.Kernel(name, params, L.Block((*stmts, store(zero, acc))))
+    if form == "x":
+        p_extent, r_extent = shape
+        p = L.Var("p")
+        stmts, acc = lane_reduce("acc", op, dtype, 0, r_extent, lambda r: element(p, r), lanes)
+        body = L.For(p, 0, p_extent, L.Block((*stmts, store(p, acc))), "parallel")
+        return L.Kernel(name, params, body, "p", p_extent)
+    r_extent, p_extent = shape
+    ntiles = -(-p_extent // tile)
+    tv, j, r = L.Var("tile"), L.Var("j"), L.Var("r")
+    acc = L.Alloc("acc", dtype, tile)
+    p0 = tv * tile
+    width = L.Local("width", "int64", L.minimum(L.Const(tile), p_extent - p0))
+    wv = width.var
+    body = L.Block((
+        acc, width,
+        L.For(j, 0, wv, L.Store(acc, j, identity(op, dtype)), "vector"),
+        L.For(r, 0, r_extent, L.For(j, 0, wv, L.Store(
+            acc, j, combine(op, acc[j], element(p0 + j, r))), "vector")),
+        L.For(j, 0, wv, store(p0 + j, acc[j]), "vector"),
+    ))
+    return L.Kernel(name, params, L.For(tv, 0, ntiles, body, "parallel"), "tile", ntiles)

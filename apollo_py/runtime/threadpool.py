@@ -1,0 +1,136 @@
+"""A persistent thread pool that runs chunks of a kernel's parallel loop on all cores.
+
+Kernels follow the CPU ABI ``void f(void **args, int64 lo, int64 hi)``; ctypes releases the
+GIL for the duration of each call, so plain Python threads run chunks truly in parallel.
+Workers are started once and wait on a queue; each :meth:`ThreadPool.run` splits
+``[0, extent)`` into at most ``num_threads`` contiguous chunks, hands ``n - 1`` of them to the
+workers and runs one itself (chunks are claimed dynamically, so a slow worker never holds
+the caller up while chunks remain).  Several Python threads may call ``run`` at once: each
+call has its own job object, and a caller always makes progress on its own job.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Optional
+
+from apollo_py.errors import CompileError
+
+
+class _Job:
+    """One ``run`` call: a function, its packed args and the chunk list."""
+
+    __slots__ = ("cfunc", "ptrs", "chunks", "next", "lock", "remaining", "done", "error")
+
+    def __init__(self, cfunc, ptrs, chunks):
+        self.cfunc = cfunc
+        self.ptrs = ptrs
+        self.chunks = chunks
+        self.next = 0
+        self.lock = threading.Lock()
+        self.remaining = len(chunks)
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def work(self) -> None:
+        """Claim and run chunks until none are left."""
+        while True:
+            with self.lock:
+                k = self.next
+                if k >= len(self.chunks):
+                    return
+                self.next = k + 1
+            lo, hi = self.chunks[k]
+            try:
+                self.cfunc(self.ptrs, lo, hi)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller thread
+                self.error = exc
+            with self.lock:
+                self.remaining -= 1
+                if self.remaining == 0:
+                    self.done.set()
+
+
+class ThreadPool:
+    """Persistent worker threads that run kernel chunks.
+
+    ``num_threads`` is the total parallelism including the calling thread (default
+    ``os.cpu_count()``); ``num_threads - 1`` daemon workers are started on construction.
+    """
+
+    def __init__(self, num_threads: Optional[int] = None):
+        n = int(num_threads or os.cpu_count() or 1)
+        if n < 1:
+            raise CompileError(f"ThreadPool needs at least one thread, got {num_threads}")
+        self.num_threads = n
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._workers = []
+        self._closed = False
+        for i in range(n - 1):
+            t = threading.Thread(target=self._worker, name=f"apollo-pool-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.work()
+
+    @staticmethod
+    def split(extent: int, parts: int) -> list:
+        """Return ``parts`` contiguous ``(lo, hi)`` chunks covering ``[0, extent)``, as even
+        as possible (sizes differ by at most one, larger chunks first)."""
+        parts = max(1, min(parts, extent))
+        base, extra = divmod(extent, parts)
+        out, lo = [], 0
+        for k in range(parts):
+            hi = lo + base + (1 if k < extra else 0)
+            out.append((lo, hi))
+            lo = hi
+        return out
+
+    def run(self, kernel, arrays, extent: Optional[int] = None, min_chunk: int = 1) -> None:
+        """Run ``kernel`` (a compiled kernel with ``pack_args``/``cfunc``) over ``[0, extent)``.
+
+        ``arrays`` are the kernel's buffers (checked by ``kernel.pack_args``); ``extent``
+        defaults to ``kernel.parallel_extent``.  Chunks hold at least ``min_chunk``
+        iterations; when only one chunk results (small extent, one thread, or a kernel
+        without a parallel loop) the kernel runs inline on the calling thread.  Returns
+        when every chunk has finished; re-raises the first error from any chunk.
+        """
+        if self._closed:
+            raise CompileError("ThreadPool.run called after close()")
+        if extent is None:
+            extent = kernel.parallel_extent or 0
+        extent = int(extent)
+        ptrs = kernel.pack_args(arrays)
+        parts = min(self.num_threads, extent // max(1, int(min_chunk)))
+        if parts <= 1 or kernel.parallel_extent is None:
+            kernel.cfunc(ptrs, 0, extent)
+            return
+        job = _Job(kernel.cfunc, ptrs, self.split(extent, parts))
+        for _ in range(parts - 1):
+            self._queue.put(job)
+        job.work()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+
+    def close(self) -> None:
+        """Stop the workers (idempotent); the pool cannot run jobs afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._queue.put(None)
+        for t in self._workers:
+            t.join()
+
+    def __enter__(self) -> "ThreadPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
