@@ -1,0 +1,86 @@
+"""Canonical node order, compilability, primitive classes and clusters (DESIGN §4).
+
+* :func:`canonical_order` — a topological order of a graph's nodes that depends only on its
+  structure (not on node order or value names), used wherever the partitioner iterates.
+* :func:`is_compilable` — constants are data, not computation; FALLBACK ops (run through an
+  external reference) are not compiled; everything else in the registry is.
+* :func:`classify_node` — the class of one primitive, computed from its isl relations.
+* :func:`find_clusters` — the largest connected sets of compilable primitives; non-compilable
+  ops split clusters and constants do not connect them.
+"""
+from __future__ import annotations
+
+from ..errors import UnsupportedOpError
+from ..ir.graph import Graph, Node
+from ..ops.classify import classify
+from ..ops.registry import FALLBACK, SOURCE, get_op, has_op
+
+FALLBACK_CLASS = "fallback"
+
+
+def canonical_order(graph: Graph) -> list[int]:
+    """Indices of ``graph.nodes`` sorted by (depth, structural key of the first output).
+
+    Depth is the longest path from graph inputs and constants, so the order is topological.
+    Node order and value names do not influence it; nodes with equal keys compute the same
+    thing from the same values and are interchangeable.
+    """
+    keys = graph.value_keys
+    depth_of: dict[str, int] = {}
+    entries = []
+    for k, n in enumerate(graph.nodes):
+        d = 1 + max((depth_of.get(v, 0) for v in n.inputs), default=0)
+        for o in n.outputs:
+            depth_of[o] = d
+        key = keys[n.outputs[0]] if n.outputs else n.op
+        entries.append((d, key, k))
+    entries.sort()
+    return [k for _, _, k in entries]
+
+
+def is_compilable(node: Node) -> bool:
+    """Whether ``node`` can belong to a cluster: a registered primitive that is neither a
+    constant (data) nor a FALLBACK op.  UnsupportedOpError for ops the registry lacks."""
+    if not has_op(node.op):
+        raise UnsupportedOpError(node.op, node.label, "no primitive lowering and no reference implementation")
+    return get_op(node.op).kind not in (SOURCE, FALLBACK)
+
+
+def classify_node(graph: Graph, node: Node) -> str:
+    """Class of a primitive node (elementwise/broadcast/reduction/opaque), or ``"fallback"``
+    for an op that is not compiled."""
+    if not is_compilable(node):
+        return FALLBACK_CLASS
+    return classify(node.op, tuple(graph.types[v] for v in node.inputs),
+                    tuple(graph.types[o] for o in node.outputs), node.attrs)
+
+
+def find_clusters(graph: Graph, order: list[int] | None = None) -> list[list[int]]:
+    """Clusters of ``graph`` as lists of node indices (each in canonical order; clusters ordered
+    by their first node).  Expects a verified graph; constants belong to no cluster, each
+    non-compilable op is left out (it runs on its own)."""
+    order = canonical_order(graph) if order is None else order
+    parent = list(range(len(graph.nodes)))
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    index = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs}
+    ok = [is_compilable(n) for n in graph.nodes]
+    for k, n in enumerate(graph.nodes):
+        if not ok[k]:
+            continue
+        for v in n.inputs:
+            j = index.get(v)
+            if j is not None and ok[j]:
+                ra, rb = find(j), find(k)
+                if ra != rb:
+                    parent[max(ra, rb)] = min(ra, rb)
+    groups: dict[int, list[int]] = {}
+    for k in order:
+        if ok[k]:
+            groups.setdefault(find(k), []).append(k)
+    return list(groups.values())
