@@ -9,8 +9,10 @@ Choices that matter for speed (DESIGN.md section 8, measured):
 
 * index arithmetic (load/store indices, loop bounds) uses ``add/sub/mul nsw``; integer
   arithmetic on *data* wraps like numpy.
-* float ops carry ``nsz arcp contract afn`` -- sign of zero, reciprocal, FMA contraction and
-  approximate intrinsics may change the last bits; ``nnan``/``ninf`` are never set because
+* float ops carry ``nsz arcp contract`` -- sign of zero, reciprocal and FMA contraction may
+  change the last bits.  ``afn`` is not set, and rsqrt's divide has no ``arcp`` (with both,
+  1/sqrt(x) compiled to the rsqrt estimate, which gave nan at 0 and inf in the tests).
+  ``nnan``/``ninf`` are never set because
   kernels must propagate inf/nan like numpy, and ``reassoc`` is never set: reductions are
   written with explicit lane accumulators (templates.py), so their order is fixed by the IR.
 * ``vector`` loops carry ``llvm.loop.vectorize.enable``; ``unroll`` loops ``llvm.loop.unroll.full``.
@@ -31,7 +33,8 @@ from apollo_py.codegen.compiled import CompiledKernelBase
 from apollo_py.codegen.printer import Printer, expand_pow
 from apollo_py.errors import CompileError
 
-FM = "nsz arcp contract afn"
+FM = "nsz arcp contract"
+FM_EXACT = "nsz contract"  # no arcp: keeps 1/sqrt(x) exact at 0 and inf (no rsqrt estimate)
 
 _LLVM_TYPES = {"float32": "float", "float64": "double", "float16": "half", "int32": "i32",
                "int64": "i64", "bool": "i1"}
@@ -105,7 +108,7 @@ def _relu(p: "LLVMPrinter", dtype: str, a: str) -> str:
 
 def _rsqrt(p: "LLVMPrinter", dtype: str, a: str) -> str:
     s = p.emit(_intrinsic("sqrt")(p, dtype, a))
-    return f"fdiv {FM} {p.type_name(dtype)} 1.0, {s}"
+    return f"fdiv {FM_EXACT} {p.type_name(dtype)} 1.0, {s}"
 
 
 def _pow(p: "LLVMPrinter", dtype: str, a: str, b: str) -> str:

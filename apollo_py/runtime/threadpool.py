@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Optional
 
-from apollo_py.errors import CompileError
+from apollo_py.errors import ApolloError, CompileError
 
 
 class _Job:
@@ -102,7 +102,7 @@ class ThreadPool:
         when every chunk has finished; re-raises the first error from any chunk.
         """
         if self._closed:
-            raise CompileError("ThreadPool.run called after close()")
+            raise ApolloError("ThreadPool.run called after close()")
         if extent is None:
             extent = kernel.parallel_extent or 0
         extent = int(extent)

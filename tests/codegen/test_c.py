@@ -1,0 +1,104 @@
+"""C renderer: compiled with the system cc, it must agree with the LLVM back end."""
+import numpy as np
+import pytest
+
+from apollo_py.codegen.c import compile_c, find_cc, render_c
+from apollo_py.codegen.llvm import compile_llvm
+
+import codegen_kernels as K
+
+pytestmark = pytest.mark.skipif(find_cc() is None, reason="no C compiler on PATH")
+
+
+def _both(kernel, arrays_fn):
+    """Run ``kernel`` through C and LLVM on fresh copies of the same inputs."""
+    outs = []
+    for compile_fn in (compile_c, compile_llvm):
+        ck = compile_fn(kernel)
+        arrays = arrays_fn()
+        ck(arrays)
+        outs.append(arrays)
+    return outs
+
+
+def test_source_has_abi_and_restrict():
+    src = render_c(K.broadcast_add_mul(4, 8))
+    assert "void bcast_add_mul(void **args, int64_t lo, int64_t hi)" in src
+    assert "float *restrict a = (float *)args[0];" in src
+
+
+def test_elementwise_gelu_agrees(rng):
+    m, n = 16, 200
+    x = (rng.standard_normal(m * n) * 3).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    c_out, l_out = _both(K.bias_gelu(m, n), lambda: [x, b, np.empty_like(x)])
+    np.testing.assert_allclose(c_out[2], l_out[2], rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(c_out[2], K.ref_gelu_tanh((x.reshape(m, n) + b).ravel()),
+                               rtol=2e-6, atol=1e-6)
+
+
+def test_broadcast_agrees(rng):
+    m, n = 9, 33
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in (m * n, n, m))
+    c_out, l_out = _both(K.broadcast_add_mul(m, n), lambda: [a, b, c, np.empty(m * n, np.float32)])
+    np.testing.assert_allclose(c_out[3], l_out[3], rtol=1e-6, atol=1e-7)
+
+
+def test_softmax_agrees(rng):
+    rows, cols = 20, 128
+    x = (rng.standard_normal(rows * cols) * 5).astype(np.float32)
+    c_out, l_out = _both(K.softmax_rows(rows, cols), lambda: [x, np.empty_like(x)])
+    np.testing.assert_allclose(c_out[1], l_out[1], rtol=2e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("form", ["all", "x", "y"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_reduce_agrees(form, op, rng):
+    # same IR and order of float ops; only FMA contraction (LLVM) may differ in the last bit
+    p, r = 7, 150
+    x = rng.standard_normal(p * r).astype(np.float32)
+    n_out = 1 if form == "all" else p
+    c_out, l_out = _both(K.reduce_form(form, op, p, r),
+                         lambda: [x, np.empty(n_out, np.float32)])
+    np.testing.assert_allclose(c_out[1], l_out[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(c_out[1], K.ref_reduce(form, op, x, p, r), rtol=1e-5, atol=1e-4)
+
+
+def test_maxpool_agrees(rng):
+    ch, h, w = 2, 8, 12
+    x = rng.standard_normal(ch * h * w).astype(np.float32)
+    b = rng.standard_normal(ch).astype(np.float32)
+    n_out = ch * (h // 2) * (w // 2)
+    c_out, l_out = _both(K.bias_maxpool(ch, h, w), lambda: [x, b, np.empty(n_out, np.float32)])
+    np.testing.assert_array_equal(c_out[2], l_out[2])
+    np.testing.assert_array_equal(c_out[2], K.ref_bias_maxpool(x, b, ch, h, w))
+
+
+def test_int_bool_agrees(rng):
+    n = 300
+    a = rng.integers(0, 100, n).astype(np.int64)
+    b = rng.integers(0, 100, n).astype(np.int64)
+    m = rng.random(n) < 0.5
+
+    def arrays():
+        return [a, b, m, np.empty(n, np.int64), np.empty(n, np.int32), np.empty(n, np.bool_)]
+    c_out, l_out = _both(K.int_kernel(n), arrays)
+    for k in (3, 4, 5):
+        np.testing.assert_array_equal(c_out[k], l_out[k])
+
+
+def test_float64_agrees(rng):
+    n = 500
+    x = rng.standard_normal(n) * 4
+    c_out, l_out = _both(K.float64_kernel(n), lambda: [x, np.empty(6 * n)])
+    np.testing.assert_allclose(c_out[1], l_out[1], rtol=1e-12, atol=1e-15)
+
+
+def test_parallel_chunk_in_c(rng):
+    m, n = 6, 16
+    ck = compile_c(K.bias_gelu(m, n))
+    x = rng.standard_normal(m * n).astype(np.float32)
+    o = np.full(m * n, -3.0, np.float32)
+    ck([x, np.zeros(n, np.float32), o], lo=2, hi=4)
+    rows = o.reshape(m, n)
+    assert (rows[:2] == -3).all() and (rows[4:] == -3).all() and (rows[2:4] != -3).all()

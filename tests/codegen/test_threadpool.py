@@ -1,0 +1,80 @@
+"""The runtime thread pool gives the same results as a single-threaded call."""
+import threading
+
+import numpy as np
+import pytest
+
+from apollo_py.codegen.llvm import compile_llvm
+from apollo_py.runtime.threadpool import ThreadPool
+
+import codegen_kernels as K
+
+
+@pytest.fixture(scope="module")
+def softmax():
+    return compile_llvm(K.softmax_rows(301, 128))
+
+
+def test_split_covers_extent():
+    assert ThreadPool.split(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert ThreadPool.split(2, 8) == [(0, 1), (1, 2)]
+    assert ThreadPool.split(0, 4) == [(0, 0)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_identical_to_single_thread(softmax, threads, rng):
+    x = (rng.standard_normal(301 * 128) * 4).astype(np.float32)
+    ref = np.empty_like(x)
+    softmax([x, ref])
+    with ThreadPool(threads) as pool:
+        for _ in range(3):
+            out = np.empty_like(x)
+            pool.run(softmax, [x, out])
+            np.testing.assert_array_equal(out, ref)
+
+
+def test_small_extent_and_min_chunk(rng):
+    ck = compile_llvm(K.bias_gelu(3, 16))
+    x = rng.standard_normal(48).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    ref = np.empty_like(x)
+    ck([x, b, ref])
+    with ThreadPool(4) as pool:
+        for min_chunk in (1, 2, 100):
+            out = np.empty_like(x)
+            pool.run(ck, [x, b, out], min_chunk=min_chunk)
+            np.testing.assert_array_equal(out, ref)
+
+
+def test_concurrent_callers(softmax, rng):
+    xs = [(rng.standard_normal(301 * 128) * 3).astype(np.float32) for _ in range(6)]
+    refs = []
+    for x in xs:
+        r = np.empty_like(x)
+        softmax([x, r])
+        refs.append(r)
+    outs = [np.empty_like(x) for x in xs]
+    errors = []
+    with ThreadPool(3) as pool:
+        def caller(k):
+            try:
+                for _ in range(20):
+                    pool.run(softmax, [xs[k], outs[k]])
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    for out, ref in zip(outs, refs):
+        np.testing.assert_array_equal(out, ref)
+
+
+def test_run_after_close_raises(softmax):
+    pool = ThreadPool(2)
+    pool.close()
+    pool.close()
+    with pytest.raises(Exception):
+        pool.run(softmax, [np.zeros(301 * 128, np.float32)] * 2)
