@@ -8,9 +8,10 @@ from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoa
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
 from .api import CompiledGraph, jit
+from .plan import explain
 
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
            "InputError", "ModelLoadError", "Options", "RuleError", "ShapeError", "TensorType",
-           "UnsupportedOpError", "jit", "__version__"]
+           "UnsupportedOpError", "explain", "jit", "__version__"]

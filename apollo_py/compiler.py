@@ -13,10 +13,12 @@ from .plan import Plan
 
 def compile_graph(graph: Graph, options: Options):
     """Compile a static-shape primitive graph into an executable with ``.run(feeds)`` and ``.plan``."""
-    from .runtime.executable import ReferenceExecutable
+    from .partition import partition, preprocess
+    from .partition.execute import MicroGraphExecutable
 
-    plan = Plan(graph=graph)
+    graph = preprocess(graph, options)
+    plan = Plan(graph=graph, micro_graphs=partition(graph, options))
     if options.target != "reference":
         from .errors import CompileError
         raise CompileError(f"target {options.target!r} is not available yet (available: 'reference')")
-    return ReferenceExecutable(graph, plan)
+    return MicroGraphExecutable(graph, plan)

@@ -1,7 +1,9 @@
 """The fusion plan: what the compiler made of a graph, for users and for tests.
 
-``Plan.graph`` is the primitive graph after the front end; later stages fill ``micro_graphs``
-and ``kernels``.  ``str(plan)`` is a readable table, ``plan.to_json()`` a JSON document.
+``Plan.graph`` is the primitive graph after preprocessing; the partition stage fills
+``micro_graphs`` and later stages ``kernels``.  ``str(plan)`` is a readable table,
+``plan.to_json()`` a JSON document.  :func:`explain` returns the plan of a model without
+running it.
 """
 from __future__ import annotations
 
@@ -32,10 +34,33 @@ class Plan:
                "kernels": [k.to_dict() for k in self.kernels], "notes": list(self.notes)}
         return json.dumps(doc, indent=1)
 
+    def micro_graph_table(self) -> str:
+        """One row per micro-graph: index, kind, rules applied, ops, source nodes."""
+        rows = [("#", "kind", "rules", "ops", "sources")]
+        for k, m in enumerate(self.micro_graphs):
+            rows.append((str(k), m.kind, ",".join(m.rules) or "-", " ".join(m.ops),
+                         ", ".join(m.source_nodes) or "-"))
+        w = [max(len(r[c]) for r in rows) for c in range(3)]
+        return "\n".join(f"  {r[0]:>{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}"
+                         + (f"  <- {r[4]}" if k and r[4] != "-" else ("  sources" if not k else ""))
+                         for k, r in enumerate(rows))
+
     def __str__(self) -> str:
         lines = [f"plan for {self.graph.name!r}: {len(self.graph.nodes)} primitives"]
-        for n in self.graph.nodes:
-            src = f"  <- {', '.join(n.source)}" if n.source else ""
-            lines.append(f"  {n.op:<14} {', '.join(n.outputs)}{src}")
+        if self.micro_graphs:
+            lines.append(f"{len(self.micro_graphs)} micro-graphs:")
+            lines.append(self.micro_graph_table())
+        else:
+            for n in self.graph.nodes:
+                src = f"  <- {', '.join(n.source)}" if n.source else ""
+                lines.append(f"  {n.op:<14} {', '.join(n.outputs)}{src}")
         lines.extend(f"note: {s}" for s in self.notes)
         return "\n".join(lines)
+
+
+def explain(model: Any, options: Any = None, input_shapes: Any = None) -> Plan:
+    """The fusion plan of ``model`` (ONNX path/bytes/ModelProto, Graph) without running it.
+
+    Symbolic input dims need ``input_shapes``; the plan carries ``micro_graphs``."""
+    from .api import jit
+    return jit(model, options=options, input_shapes=input_shapes).plan

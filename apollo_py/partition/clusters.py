@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import hashlib
+
 from ..errors import UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ops.classify import classify
@@ -19,23 +21,43 @@ FALLBACK_CLASS = "fallback"
 
 
 def canonical_order(graph: Graph) -> list[int]:
-    """Indices of ``graph.nodes`` sorted by (depth, structural key of the first output).
+    """Indices of ``graph.nodes`` sorted by (depth, structural key of the first output, key of
+    its uses).
 
     Depth is the longest path from graph inputs and constants, so the order is topological.
-    Node order and value names do not influence it; nodes with equal keys compute the same
-    thing from the same values and are interchangeable.
+    Node order and value names do not influence it; nodes still tied compute the same thing
+    from the same values for the same uses, and are interchangeable.
     """
     keys = graph.value_keys
     depth_of: dict[str, int] = {}
-    entries = []
-    for k, n in enumerate(graph.nodes):
+    depth, fkey = [], []
+    for n in graph.nodes:
         d = 1 + max((depth_of.get(v, 0) for v in n.inputs), default=0)
         for o in n.outputs:
             depth_of[o] = d
-        key = keys[n.outputs[0]] if n.outputs else n.op
-        entries.append((d, key, k))
-    entries.sort()
-    return [k for _, _, k in entries]
+        depth.append(d)
+        fkey.append(keys[n.outputs[0]] if n.outputs else n.op)
+    # Equal forward keys (the same computation twice, before CSE) are told apart by how the
+    # values are used: a backward key over consumers' keys and operand positions.
+    index = {id(n): k for k, n in enumerate(graph.nodes)}
+    out_pos: dict[str, list[int]] = {}
+    for p, v in enumerate(graph.outputs):
+        out_pos.setdefault(v, []).append(p)
+    cons = graph.consumers
+    bkey = [""] * len(graph.nodes)
+    for k in range(len(graph.nodes) - 1, -1, -1):
+        uses = []
+        for j, o in enumerate(graph.nodes[k].outputs):
+            uses.extend(f"out{p}.{j}" for p in out_pos.get(o, ()))
+            for c in cons.get(o, ()):
+                kc = index[id(c)]
+                uses.extend(f"{fkey[kc]}{bkey[kc]}@{p}.{j}" for p, v in enumerate(c.inputs) if v == o)
+        bkey[k] = _sha("|".join(sorted(uses)))
+    return sorted(range(len(graph.nodes)), key=lambda k: (depth[k], fkey[k], bkey[k], k))
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def is_compilable(node: Node) -> bool:
