@@ -15,8 +15,10 @@ Summation order (reproducible, independent of the thread count):
   the lanes are folded left to right, ``((acc0 op acc1) op acc2) ...``.  The lane loop is
   independent across lanes, so LLVM vectorises it without ``reassoc``.
 * y-reduce keeps one accumulator per output column ``p`` and combines rows ``r = 0 .. R-1``
-  in order (the vector loop runs across ``p``); the parallel loop runs over tiles of ``tile``
-  columns.
+  in order (the vector loop runs across ``p``, four rows per pass over the accumulator); the
+  parallel loop runs over tiles of ``tile`` columns (default 512: a 2 KiB float32
+  accumulator; sum over [3072, 8192], one thread, busy 2-core box: tile 64 -> 13 ms,
+  512 -> 6.6 ms, numpy 6.3 ms).
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def lane_reduce(name: str, op: str, dtype: str, lo, hi,
 def reduce_kernel(name: str, form: str, op: str, params, out: L.Param, shape,
                   element: Callable[[L.Expr, L.Expr], L.Expr], dtype: Optional[str] = None,
                   finalize: Optional[Callable[[L.Expr, L.Expr], L.Expr]] = None,
-                  lanes: int = 16, tile: int = 64) -> L.Kernel:
+                  lanes: int = 16, tile: int = 512) -> L.Kernel:
     """Build a Kernel computing one canonical reduction.
 
     ``form`` is ``"all"`` (``shape = (R,)``), ``"x"`` (``shape = (P, R)``) or ``"y"``
@@ -126,15 +128,22 @@ def reduce_kernel(name: str, form: str, op: str, params, out: L.Param, shape,
         return L.Kernel(name, params, body, "p", p_extent)
     r_extent, p_extent = shape
     ntiles = -(-p_extent // tile)
-    tv, j, r = L.Var("tile"), L.Var("j"), L.Var("r")
+    tv, j, r, rb = L.Var("tile"), L.Var("j"), L.Var("r"), L.Var("rb")
     acc = L.Alloc("acc", dtype, tile)
     p0 = tv * tile
     width = L.Local("width", "int64", L.minimum(L.Const(tile), p_extent - p0))
     wv = width.var
+    # ROWS rows per pass over the accumulator tile, folded left to right: the same order
+    # as one row at a time, with a quarter of the accumulator loads and stores.
+    rows = 4
+    folded = acc[j]
+    for k in range(rows):
+        folded = combine(op, folded, element(p0 + j, rb * rows + k))
     body = L.Block((
         acc, width,
         L.For(j, 0, wv, L.Store(acc, j, identity(op, dtype)), "vector"),
-        L.For(r, 0, r_extent, L.For(j, 0, wv, L.Store(
+        L.For(rb, 0, r_extent // rows, L.For(j, 0, wv, L.Store(acc, j, folded), "vector")),
+        L.For(r, (r_extent // rows) * rows, r_extent, L.For(j, 0, wv, L.Store(
             acc, j, combine(op, acc[j], element(p0 + j, r))), "vector")),
         L.For(j, 0, wv, store(p0 + j, acc[j]), "vector"),
     ))
