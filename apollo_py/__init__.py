@@ -15,3 +15,7 @@ __version__ = "0.1.0"
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
            "InputError", "ModelLoadError", "Options", "RuleError", "ShapeError", "TensorType",
            "UnsupportedOpError", "explain", "jit", "__version__"]
+
+from .train import grad, optim, train_step  # noqa: E402  (training API, DESIGN §12)
+
+__all__ += ["grad", "optim", "train_step"]

@@ -3,14 +3,8 @@
 ``grad(graph, wrt)`` differentiates a primitive graph; ``train_step(model, ...)`` compiles
 forward + loss + backward + optimizer update into one graph (DESIGN §12).
 """
-from .autodiff import grad
 from . import optim
+from .autodiff import grad
+from .step import TrainStep, train_step
 
-__all__ = ["grad", "optim", "train_step", "TrainStep"]
-
-
-def __getattr__(name):
-    if name in ("train_step", "TrainStep"):
-        from . import step
-        return getattr(step, name)
-    raise AttributeError(name)
+__all__ = ["TrainStep", "grad", "optim", "train_step"]

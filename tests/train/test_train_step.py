@@ -1,0 +1,186 @@
+"""train_step end to end: the MLP against a plain numpy step, a CNN that learns, the API."""
+import numpy as np
+import pytest
+
+import apollo_py as ap
+from apollo_py.errors import ApolloError, CompileError, InputError
+
+from .models import (NumpyAdam, NumpySGD, mlp_graph, mlp_loss_and_grads, mlp_onnx, mlp_weights)
+
+B, STEPS = 256, 20
+
+
+def _batches(n, d=784, c=10, seed=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((B, d)).astype(np.float32), rng.integers(0, c, B).astype(np.int64))
+            for _ in range(n)]
+
+
+def _run_or_skip(step, **kw):
+    try:
+        return step(**kw)
+    except CompileError as e:
+        if "not available" in str(e):
+            pytest.skip(f"target unavailable: {e}")
+        raise
+
+
+def _close(name, got, want, rtol=1e-4, atol=1e-6, max_rel_l2=1e-5):
+    err = np.abs(got - want)
+    rel_l2 = np.linalg.norm(err) / (np.linalg.norm(want) + 1e-30)
+    assert np.allclose(got, want, rtol=rtol, atol=atol) and rel_l2 <= max_rel_l2, \
+        f"{name}: max abs err {err.max():.3g}, rel l2 {rel_l2:.3g}, rel linf {err.max() / np.abs(want).max():.3g}"
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: ap.optim.SGD(lr=0.1), lambda: NumpySGD(0.1)),
+    "adam": (lambda: ap.optim.Adam(lr=1e-3), lambda: NumpyAdam(1e-3)),
+}
+# Adam divides by sqrt(v): where a gradient entry is at float32 round-off level, a different
+# summation order (ours vs numpy) moves that weight by up to a sizeable fraction of lr.  So
+# Adam weights get an absolute tolerance of 5% of lr per element on top of rtol 1e-4, while
+# the relative l2 error over the whole tensor must stay below 1e-5.
+ATOL = {"sgd": 1e-6, "adam": 5e-5}
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("front", ["builder", "onnx"])
+def test_mlp_matches_numpy(front, opt, target):
+    w0 = mlp_weights()
+    model = mlp_graph(w0, B) if front == "builder" else mlp_onnx(w0)
+    ours, theirs = OPTIMIZERS[opt]
+    step = ap.train_step(model, loss="cross_entropy", optimizer=ours(), target=target)
+    assert sorted(step.params) == ["W1", "W2", "b1", "b2"]
+    live = {k: v for k, v in step.params.items()}
+    ref, ref_opt = {k: v.copy() for k, v in w0.items()}, theirs()
+    for x, y in _batches(STEPS):
+        loss = _run_or_skip(step, labels=y, x=x)
+        want, g = mlp_loss_and_grads(ref, x, y)
+        ref_opt.step(ref, g)
+        assert loss == pytest.approx(want, rel=1e-4)
+    for k in ref:
+        assert step.params[k] is live[k]  # updated in place
+        _close(k, step.params[k], ref[k], atol=ATOL[opt])
+    sd = step.state_dict()
+    assert sd["step"] == STEPS and set(sd["params"]) == set(ref)
+    if opt == "adam":
+        assert {f"{k}.{s}" for k in ref for s in ("exp_avg", "exp_avg_sq")} == set(sd["optimizer"])
+
+
+def test_mlp_gemm_onnx_and_export_roundtrip(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    w0 = mlp_weights(sizes=(20, 16, 4))
+    step = ap.train_step(mlp_onnx(w0, gemm=True), optimizer=ap.optim.SGD(lr=0.5, momentum=0.9))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 20)).astype(np.float32)
+    y = rng.integers(0, 4, 8)
+    ref, ref_opt = {k: v.copy() for k, v in w0.items()}, NumpySGD(0.5, momentum=0.9)
+    for _ in range(5):
+        loss = step(labels=y, x=x)
+        want, g = mlp_loss_and_grads(ref, x, y)
+        ref_opt.step(ref, g)
+        assert loss == pytest.approx(want, rel=1e-4)
+    for k in ref:
+        _close(k, step.params[k], ref[k])
+    path = tmp_path / "trained.onnx"
+    step.export_onnx(path)
+    trained = onnx.load(str(path))
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in trained.graph.initializer}
+    for k in ref:
+        np.testing.assert_array_equal(got[k], step.params[k])
+    out = ap.jit(trained)(x=x)
+    np.testing.assert_allclose(out, np.maximum(x @ ref["W1"] + ref["b1"], 0) @ ref["W2"] + ref["b2"],
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd_wd", "adam_wd"])
+def test_weight_decay_variants_match_numpy(opt):
+    w0 = mlp_weights(sizes=(12, 8, 3), seed=5)
+    ours, theirs = {
+        "adamw": (ap.optim.AdamW(lr=1e-2, weight_decay=0.1), NumpyAdam(1e-2, weight_decay=0.1, decoupled=True)),
+        "sgd_wd": (ap.optim.SGD(lr=0.1, momentum=0.5, weight_decay=0.01),
+                   NumpySGD(0.1, momentum=0.5, weight_decay=0.01)),
+        "adam_wd": (ap.optim.Adam(lr=1e-2, weight_decay=0.05), NumpyAdam(1e-2, weight_decay=0.05)),
+    }[opt]
+    step = ap.train_step(mlp_graph(w0, 6), optimizer=ours)
+    ref = {k: v.copy() for k, v in w0.items()}
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        x = rng.standard_normal((6, 12)).astype(np.float32)
+        y = rng.integers(0, 3, 6)
+        loss = step(labels=y, x=x)
+        want, g = mlp_loss_and_grads(ref, x, y)
+        theirs.step(ref, g)
+        assert loss == pytest.approx(want, rel=1e-4)
+    for k in ref:
+        _close(k, step.params[k], ref[k], atol=1e-5)
+
+
+def _cnn_onnx(seed=0):
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    inits = {
+        "conv_w": (rng.standard_normal((6, 3, 3, 3)) * 0.3).astype(f32),
+        "bn_gamma": np.ones(6, f32), "bn_beta": np.zeros(6, f32),
+        "bn_mean": (0.1 * rng.standard_normal(6)).astype(f32), "bn_var": (1 + rng.random(6)).astype(f32),
+        "fc_w": (rng.standard_normal((6 * 4 * 4, 5)) * 0.1).astype(f32), "fc_b": np.zeros(5, f32),
+    }
+    nodes = [helper.make_node("Conv", ["x", "conv_w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "bn_gamma", "bn_beta", "bn_mean", "bn_var"], ["n"]),
+             helper.make_node("Relu", ["n"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"])]
+    g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 3, 8, 8])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [8, 5])],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("opt", [ap.optim.SGD(lr=0.05, momentum=0.9), ap.optim.Adam(lr=1e-2)])
+def test_cnn_loss_decreases(opt):
+    step = ap.train_step(_cnn_onnx(), optimizer=opt)
+    # BN running statistics are not parameters
+    assert sorted(step.params) == ["bn_beta", "bn_gamma", "conv_w", "fc_b", "fc_w"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 5, 8)
+    losses = [step(labels=y, x=x) for _ in range(10)]
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[1] < losses[0], losses
+
+
+def test_mse_regression_matches_closed_form():
+    rng = np.random.default_rng(2)
+    W = rng.standard_normal((4, 3)).astype(np.float32)
+    b = ap.GraphBuilder("lin")
+    x = b.input("x", (10, 4))
+    g = b.build([b.matmul(x, b.constant(W, name="W"))])
+    step = ap.train_step(g, loss="mse", optimizer=ap.optim.SGD(lr=0.05))
+    xs = rng.standard_normal((10, 4)).astype(np.float32)
+    target = rng.standard_normal((10, 3)).astype(np.float32)
+    Wr = W.copy()
+    for _ in range(3):
+        loss = step(labels=target, x=xs)
+        d = xs @ Wr - target
+        assert loss == pytest.approx(float(np.mean(d * d)), rel=1e-5)
+        Wr -= np.float32(0.05) * (xs.T @ (2 * d / d.size))
+    _close("W", step.params["W"], Wr, rtol=1e-5)
+
+
+def test_errors_name_the_problem():
+    w0 = mlp_weights(sizes=(4, 3, 2))
+    g = mlp_graph(w0, 2)
+    with pytest.raises(InputError, match="nope"):
+        ap.train_step(g, params=["nope"])
+    with pytest.raises(InputError, match="unknown loss"):
+        ap.train_step(g, loss="hinge")
+    step = ap.train_step(g, params=["W1"])
+    assert list(step.params) == ["W1"]
+    with pytest.raises(InputError, match="missing"):
+        step(labels=np.zeros(2, np.int64))
+    with pytest.raises(ApolloError, match="needs an ONNX model"):
+        step.export_onnx("/tmp/never.onnx")
