@@ -1,0 +1,414 @@
+"""isl AST -> apollo_py loop IR, with the statement bodies filled in from the primitives.
+
+:func:`to_loop_ir` generates the AST of a fused schedule (``isl.AstBuild.from_context``) and
+walks it: isl ``for`` / ``if`` / ``block`` / ``user`` nodes become ``For`` / ``If`` / ``Block`` /
+the statement's body.  A statement body loads its operands through the op's access relations
+(affine in the statement's domain dims, which the AST's call arguments express in loop
+iterators), computes the op's ``scalar`` operation (or folds with its ``reducer``) and stores
+into the output's storage: a kernel buffer (``Param``), a scalar (``Local``) or a tile
+(``Alloc``, indexed ``idx mod extent``) — see :mod:`apollo_py.poly.storage`.  Locals and
+tiles are declared at the top of the kernel, so each call (one chunk of the parallel loop)
+has its own.  The outermost loop of the shared band is ``parallel`` and becomes the kernel's
+``parallel_var``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping
+
+import islpy as isl
+import numpy as np
+
+from ..codegen import loopir as L
+from ..errors import CompileError
+from .statements import COMPUTE, INIT, UPDATE, PolyProgram, Statement
+from .storage import PARAM, SCALAR, TILE, Storage
+
+_OT = isl.ast_expr_op_type
+
+
+def _ident(name: str, taken: set) -> str:
+    base = re.sub(r"\W", "_", name) or "v"
+    if base[0].isdigit():
+        base = "v_" + base
+    out, k = base, 1
+    while out in taken:
+        out = f"{base}_{k}"
+        k += 1
+    taken.add(out)
+    return out
+
+
+def identity_value(reducer: str, dtype: str):
+    """The identity of ``reducer`` ('sum', 'prod', 'max', 'min') for ``dtype``."""
+    if reducer == "sum":
+        return 0
+    if reducer == "prod":
+        return 1
+    if dtype in ("float32", "float64", "float16"):
+        return -math.inf if reducer == "max" else math.inf
+    if dtype == "bool":
+        return reducer == "min"
+    info = np.iinfo(np.dtype(dtype))
+    return int(info.min) if reducer == "max" else int(info.max)
+
+
+_REDUCE_OP = {"sum": "add", "prod": "mul", "max": "max", "min": "min"}
+
+
+def _floordiv(a: L.Expr, b: L.Expr) -> L.Expr:
+    """floor(a / b) for b > 0 (loop IR floordiv is defined on non-negative operands)."""
+    if isinstance(a, L.Const) and isinstance(b, L.Const):
+        return L.Const(a.value // b.value, "int64")
+    neg = (a - (b - 1)) // b
+    return L.Select(L.lt(a, 0), neg, a // b)
+
+
+def _mod(a: L.Expr, b: L.Expr) -> L.Expr:
+    return a - _floordiv(a, b) * b
+
+
+def _simplify_add(a: L.Expr, b: L.Expr) -> L.Expr:
+    if isinstance(a, L.Const) and a.value == 0:
+        return b
+    if isinstance(b, L.Const) and b.value == 0:
+        return a
+    if isinstance(a, L.Const) and isinstance(b, L.Const):
+        return L.Const(a.value + b.value, "int64")
+    return a + b
+
+
+def _simplify_mul(c: int, e: L.Expr) -> L.Expr:
+    if c == 0:
+        return L.Const(0, "int64")
+    if c == 1:
+        return e
+    if isinstance(e, L.Const):
+        return L.Const(c * e.value, "int64")
+    return e * c
+
+
+class Emitter:
+    """Converts one isl AST to loop IR for one program and storage plan."""
+
+    def __init__(self, prog: PolyProgram, storage: Mapping[str, Storage], consts=None,
+                 param_order=None):
+        self.prog = prog
+        self.storage = storage
+        self.consts = dict(consts or {})
+        taken: set = set()
+        self.params: dict[str, L.Param] = {}
+        order = list(param_order) if param_order is not None else \
+            [v for v in list(prog.inputs) + list(prog.outputs)]
+        for v in order:
+            if v in self.consts or v in self.params:
+                continue
+            t = prog.types[v]
+            self.params[v] = L.Param(_ident(v, taken), t.dtype, max(1, t.size))
+        self.locals_: dict[str, L.Local] = {}
+        self.tiles: dict[str, L.Alloc] = {}
+        for v, st in storage.items():
+            t = prog.types[v]
+            if st.kind == SCALAR:
+                dt = L.compute_dtype(t.dtype)
+                self.locals_[v] = L.Local(_ident("s_" + v, taken), dt, L.as_expr(0, dt))
+            elif st.kind == TILE:
+                self.tiles[v] = L.Alloc(_ident("t_" + v, taken), t.dtype, st.size)
+        self.iters: set[str] = set()
+        self._acc: dict = {}
+        self.stmts = {s.name: s for s in prog.statements}
+
+    # ----------------------------------------------------------------- expressions
+    def expr(self, e: isl.AstExpr) -> L.Expr:
+        t = e.get_type()
+        if t == isl.ast_expr_type.int:
+            return L.Const(int(e.get_val().to_python()), "int64")
+        if t == isl.ast_expr_type.id:
+            name = e.get_id().get_name()
+            if name in self.iters:
+                return L.Var(name, "int64")
+            if name in self.prog.params:
+                return L.Const(self.prog.params[name], "int64")
+            raise CompileError(f"isl AST refers to unknown identifier {name!r}")
+        op = e.get_op_type()
+        args = [self.expr(e.get_op_arg(k)) for k in range(e.get_op_n_arg())]
+        if op == _OT.add:
+            return _simplify_add(args[0], args[1])
+        if op == _OT.sub:
+            return args[0] - args[1]
+        if op == _OT.mul:
+            if isinstance(args[0], L.Const):
+                return _simplify_mul(args[0].value, args[1])
+            return args[0] * args[1]
+        if op == _OT.minus:
+            return -args[0]
+        if op in (_OT.div, _OT.pdiv_q):
+            return args[0] // args[1]
+        if op == _OT.fdiv_q:
+            return _floordiv(args[0], args[1])
+        if op in (_OT.pdiv_r, _OT.zdiv_r):
+            return _mod(args[0], args[1])
+        if op == _OT.max:
+            out = args[0]
+            for a in args[1:]:
+                out = L.maximum(out, a)
+            return out
+        if op == _OT.min:
+            out = args[0]
+            for a in args[1:]:
+                out = L.minimum(out, a)
+            return out
+        if op in (_OT.and_, _OT.and_then):
+            return L.land(args[0], args[1])
+        if op in (_OT.or_, _OT.or_else):
+            return L.lor(args[0], args[1])
+        if op in (_OT.cond, _OT.select):
+            return L.Select(args[0], args[1], args[2])
+        cmp = {_OT.eq: L.eq, _OT.le: L.le, _OT.lt: L.lt, _OT.ge: L.ge, _OT.gt: L.gt}
+        if op in cmp:
+            return cmp[op](args[0], args[1])
+        raise CompileError(f"isl AST expression {e.to_C_str()!r} is not supported")
+
+    # ----------------------------------------------------------------- accesses
+    def _index(self, s: Statement, m: isl.Map, dom: list) -> list:
+        key = (s.name, str(m))
+        ma = self._acc.get(key)
+        if ma is None:
+            g = m.intersect_params(self.prog.context).gist_domain(m.domain())
+            g = g.gist_params(self.prog.context)
+            pma = isl.PwMultiAff.from_map(g)
+            if pma.n_piece() != 1:
+                raise CompileError(f"access {m} of {s.name} is not a single affine function")
+            ma = pma.as_multi_aff()
+            self._acc[key] = ma
+        out = []
+        for j in range(ma.dim(isl.dim_type.out)):
+            out.append(self._aff(ma.get_at(j), dom))
+        return out
+
+    def _aff(self, a: isl.Aff, dom: list) -> L.Expr:
+        if a.dim(isl.dim_type.div):
+            raise CompileError(f"access expression {a} has integer divisions")
+        den = int(a.get_denominator_val().to_python())
+        e: L.Expr = L.Const(int((a.get_constant_val() * den).to_python()), "int64")
+        for k in range(a.dim(isl.dim_type.in_)):
+            c = int((a.get_coefficient_val(isl.dim_type.in_, k) * den).to_python())
+            if c:
+                e = _simplify_add(e, _simplify_mul(c, dom[k]))
+        for k in range(a.dim(isl.dim_type.param)):
+            c = int((a.get_coefficient_val(isl.dim_type.param, k) * den).to_python())
+            if c:
+                name = a.get_dim_name(isl.dim_type.param, k)
+                e = _simplify_add(e, L.Const(c * self.prog.params[name], "int64"))
+        if den != 1:
+            e = _floordiv(e, L.Const(den, "int64"))
+        return e
+
+    def _flat(self, idx: list, shape) -> L.Expr:
+        e: L.Expr = L.Const(0, "int64")
+        stride = 1
+        for x, d in reversed(list(zip(idx, shape))):
+            if d != 1:
+                e = _simplify_add(e, _simplify_mul(stride, x))
+            stride *= d
+        return e
+
+    def _tile_index(self, v: str, idx: list) -> L.Expr:
+        st = self.storage[v]
+        parts = []
+        for x, d, ext in zip(idx, st.shape, st.extents):
+            if ext == 1:
+                parts.append(L.Const(0, "int64"))
+            elif ext >= d:
+                parts.append(x)
+            else:
+                parts.append(x % ext)   # indices are non-negative here
+        return self._flat(parts, st.extents)
+
+    def load(self, v: str, idx: list) -> L.Expr:
+        if v in self.consts:
+            return L.Const(self.consts[v], L.compute_dtype(self.prog.types[v].dtype))
+        kind = self.storage[v].kind
+        if kind == SCALAR:
+            return self.locals_[v].var
+        if kind == TILE:
+            return L.Load(self.tiles[v], self._tile_index(v, idx))
+        return L.Load(self.params[v], self._flat(idx, self.prog.types[v].shape))
+
+    def store(self, v: str, idx: list, value: L.Expr) -> L.Stmt:
+        kind = self.storage[v].kind
+        if kind == SCALAR:
+            return L.Assign(self.locals_[v].name, value)
+        if kind == TILE:
+            return L.Store(self.tiles[v], self._tile_index(v, idx), value)
+        return L.Store(self.params[v], self._flat(idx, self.prog.types[v].shape), value)
+
+    # ----------------------------------------------------------------- statements
+    def body(self, s: Statement, dom: list) -> L.Stmt:
+        n = s.node
+        out = s.out
+        out_idx = self._index(s, s.write, dom)
+        odt = L.compute_dtype(self.prog.types[out].dtype)
+        if s.role == INIT:
+            return self.store(out, out_idx, L.as_expr(identity_value(s.reducer, odt), odt))
+        args = [self.load(v, self._index(s, r, dom)) for v, r in zip(n.inputs, s.reads)]
+        if s.role == UPDATE:
+            acc = self.load(out, out_idx)
+            return self.store(out, out_idx, L.Bin(_REDUCE_OP[s.reducer], acc, args[0]))
+        return self.store(out, out_idx, scalar_op(n, args, dom, odt))
+
+    # ----------------------------------------------------------------- AST walk
+    def node(self, nd: isl.AstNode) -> L.Stmt:
+        t = nd.get_type()
+        if t == isl.ast_node_type.for_:
+            it = nd.for_get_iterator().get_id().get_name()
+            self.iters.add(it)
+            lo = self.expr(nd.for_get_init())
+            cond = nd.for_get_cond()
+            inc = nd.for_get_inc()
+            if inc.get_type() != isl.ast_expr_type.int or inc.get_val().to_python() != 1:
+                raise CompileError(f"loop {it} has a non-unit step")
+            if cond.get_type() != isl.ast_expr_type.op or cond.get_op_n_arg() != 2 or \
+                    cond.get_op_arg(0).get_type() != isl.ast_expr_type.id or \
+                    cond.get_op_arg(0).get_id().get_name() != it:
+                raise CompileError(f"loop {it} has an unsupported condition {cond.to_C_str()}")
+            hi = self.expr(cond.get_op_arg(1))
+            if cond.get_op_type() == _OT.le:
+                hi = _simplify_add(hi, L.Const(1, "int64"))
+            elif cond.get_op_type() != _OT.lt:
+                raise CompileError(f"loop {it} has an unsupported condition {cond.to_C_str()}")
+            body = self.node(nd.for_get_body())
+            return L.For(L.Var(it, "int64"), lo, hi, body, "serial")
+        if t == isl.ast_node_type.if_:
+            cond = self.expr(nd.if_get_cond())
+            then = self.node(nd.if_get_then_node())
+            els = self.node(nd.if_get_else_node()) if nd.if_has_else_node() else None
+            return L.If(cond, then, els)
+        if t == isl.ast_node_type.block:
+            lst = nd.block_get_children()
+            return L.block(*[self.node(lst.get_at(k)) for k in range(lst.n_ast_node())])
+        if t == isl.ast_node_type.mark:
+            return self.node(nd.mark_get_node())
+        if t == isl.ast_node_type.user:
+            e = nd.user_get_expr()
+            name = e.get_op_arg(0).get_id().get_name()
+            dom = [self.expr(e.get_op_arg(k)) for k in range(1, e.get_op_n_arg())]
+            return self.body(self.stmts[name], dom)
+        raise CompileError(f"isl AST node type {t} is not supported")
+
+
+def scalar_op(n, args, dom, odt) -> L.Expr:
+    """The loop-IR expression of elementwise primitive ``n`` on operand expressions ``args``."""
+    from ..ops.registry import get_op
+    op = get_op(n.op).scalar
+    if op in ("add", "sub", "mul", "max", "min", "pow", "lt", "le", "gt", "ge", "eq", "ne",
+              "and", "or"):
+        return L.Bin(op, args[0], args[1])
+    if op == "div":
+        a, b = args
+        if L.is_float(a.dtype):
+            return L.Bin("div", a, b)
+        q = _floordiv_signed(a, b)
+        return q
+    if op == "xor":
+        return L.ne(args[0], args[1])
+    if op in L.UNARY_OPS:
+        return L.Un(op, args[0])
+    if op == "select":
+        return L.Select(args[0], args[1], args[2])
+    if op == "cast":
+        return L.Cast(odt, args[0])
+    if op == "copy":
+        return args[0]
+    if op == "iota":
+        return L.Cast(odt, dom[int(n.attrs["axis"])])
+    raise CompileError(f"node {n.label!r} ({n.op}): no loop-IR lowering for scalar op {op!r}")
+
+
+def _floordiv_signed(a: L.Expr, b: L.Expr) -> L.Expr:
+    """Integer division truncating toward zero (ONNX), from non-negative floordiv/mod."""
+    zero = L.as_expr(0, a.dtype)
+    aa = L.Select(L.lt(a, zero), -a, a)
+    bb = L.Select(L.lt(b, zero), -b, b)
+    q = aa // bb
+    return L.Select(L.ne(L.lt(a, zero), L.lt(b, zero)), -q, q)
+
+
+def mark_loops(stmt: L.Stmt, parallel: bool):
+    """Mark the outermost loop parallel (returns (stmt, var, extent)) and innermost
+    assignment-free loops ``vector``."""
+    par = {"var": None, "extent": None}
+
+    def inner(s):
+        if isinstance(s, L.Block):
+            return L.Block(tuple(inner(x) for x in s.stmts))
+        if isinstance(s, L.If):
+            return L.If(s.cond, inner(s.then), inner(s.else_) if s.else_ is not None else None)
+        if isinstance(s, L.For):
+            body = inner(s.body)
+            kind = s.kind
+            if kind == "serial" and not _has(body, L.For) and not _has(body, L.Assign) \
+                    and all(_mentions(st.index, s.var.name) for st in _stores(body)):
+                kind = "vector"
+            return L.For(s.var, s.lo, s.hi, body, kind)
+        return s
+
+    out = inner(stmt)
+    if parallel:
+        top = out
+        while isinstance(top, L.Block) and len(top.stmts) == 1:
+            top = top.stmts[0]
+        if isinstance(top, L.For) and isinstance(top.hi, L.Const) and isinstance(top.lo, L.Const) \
+                and top.hi.value - top.lo.value > 1:
+            new = L.For(top.var, top.lo, top.hi, top.body, "parallel")
+            out = new
+            par["var"], par["extent"] = top.var.name, int(top.hi.value)
+    return out, par["var"], par["extent"]
+
+
+def _stores(s) -> list:
+    if isinstance(s, L.Store):
+        return [s]
+    if isinstance(s, L.Block):
+        return [x for y in s.stmts for x in _stores(y)]
+    if isinstance(s, L.If):
+        return _stores(s.then) + (_stores(s.else_) if s.else_ is not None else [])
+    return []
+
+
+def _mentions(e, name: str) -> bool:
+    if isinstance(e, L.Var):
+        return e.name == name
+    return any(_mentions(getattr(e, f), name) for f in ("a", "b", "cond", "index")
+               if isinstance(getattr(e, f, None), L.Expr))
+
+
+def _has(s, cls) -> bool:
+    if isinstance(s, cls):
+        return True
+    if isinstance(s, L.Block):
+        return any(_has(x, cls) for x in s.stmts)
+    if isinstance(s, L.For):
+        return _has(s.body, cls)
+    if isinstance(s, L.If):
+        return _has(s.then, cls) or (s.else_ is not None and _has(s.else_, cls))
+    return False
+
+
+def to_loop_ir(prog: PolyProgram, schedule: isl.Schedule, storage: Mapping[str, Storage], name: str,
+               parallel: bool = True, consts=None, param_order=None) -> L.Kernel:
+    """Generate the AST of ``schedule`` and convert it into a loop-IR Kernel called ``name``.
+
+    Params are the micro-graph inputs then outputs (or ``param_order``), minus inlined
+    single-element constants ``consts`` (value -> number).
+    """
+    build = isl.AstBuild.from_context(prog.context)
+    ast = build.node_from_schedule(schedule)
+    em = Emitter(prog, storage, consts, param_order)
+    body = em.node(ast)
+    body, pvar, pext = mark_loops(body, parallel)
+    decls = [em.locals_[v] for v in em.locals_] + [em.tiles[v] for v in em.tiles]
+    kernel = L.Kernel(name, tuple(em.params.values()), L.block(*decls, body), pvar, pext)
+    L.verify_kernel(kernel)
+    return kernel

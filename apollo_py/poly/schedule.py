@@ -1,0 +1,340 @@
+"""Fused schedules for one micro-graph, under an isl operations budget (DESIGN §5).
+
+Primary strategy (:func:`build_fused_schedule`): build the fused schedule tree directly — a
+shared outer band over the dims of the final output that every statement maps to as a
+function (its parallel dims), then the statements in sequence inside, consecutive statements
+sharing an inner band when their dependences are point-wise — and let isl check legality.
+This gives the ideal nests: softmax/layernorm as one row loop with inner loops, bias + 2×2
+max-pool in one nest (loop scaling by ``floor(h/2)``), bias + reduce over axes 1,3 with the
+reduction inside the kept dims.
+
+Fallback (:func:`isl_schedule`): the isl scheduler with ``schedule_whole_component``, then with
+the defaults, each accepted only if it yields ONE group (an outer band over all statements).
+
+Every isl call here runs under ``Options.schedule_budget`` operations; going over raises
+:class:`BudgetExceeded` (the caller logs ``schedule_budget_exceeded`` and splits).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import islpy as isl
+
+from .statements import INIT, Dependences, PolyProgram, Statement
+
+_BUDGET_MSG = "maximal number of operations exceeded"
+
+
+class BudgetExceeded(Exception):
+    """The isl operations budget ran out (the scheduler or dependence analysis)."""
+
+
+class NotOneGroup(Exception):
+    """No schedule with one fusion group was found."""
+
+
+@contextmanager
+def budget(ctx: isl.Context, n: int):
+    """Run the body with at most ``n`` isl operations (0 = unlimited); BudgetExceeded if over."""
+    ctx.set_max_operations(int(n))
+    ctx.reset_operations()
+    try:
+        yield
+    except isl.Error as e:
+        if _BUDGET_MSG in str(e):
+            raise BudgetExceeded(str(e)) from None
+        raise
+    finally:
+        ctx.set_max_operations(0)
+        ctx.reset_operations()
+
+
+@dataclass(frozen=True, eq=False)
+class FusedSchedule:
+    """A legal schedule with one fusion group.
+
+    ``band`` is the number of members of the shared outer band (all coincident, permutable);
+    ``strategy`` is ``"direct"`` or ``"isl"``; ``band_extents`` the extent of each outer band
+    member (from the context), used to pick the parallel dim and default tiles.
+    """
+
+    schedule: isl.Schedule
+    band: int
+    band_extents: tuple
+    strategy: str
+    time_ms: float
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _ctxd(x, prog: PolyProgram):
+    return x.intersect_params(prog.context)
+
+
+def _project_out_all_but(m: isl.Map, keep: list[int]) -> isl.Map:
+    n = m.dim(isl.dim_type.out)
+    for d in reversed(range(n)):
+        if d not in keep:
+            m = m.project_out(isl.dim_type.out, d, 1)
+    return m
+
+
+def _anon_range(m: isl.Map) -> isl.Map:
+    return m.reset_tuple_id(isl.dim_type.out)
+
+
+def _band_tensor(prog: PolyProgram) -> str:
+    """isl name of the output tensor written last in program order (the band space)."""
+    outs = {prog.tensors[v] for v in prog.outputs}
+    for s in reversed(prog.statements):
+        t = s.write.get_tuple_name(isl.dim_type.out)
+        if t in outs:
+            return t
+    raise NotOneGroup("no statement writes a micro-graph output")
+
+
+def _to_band_space(prog: PolyProgram, band_t: str) -> dict[str, isl.Map]:
+    """Statement name -> relation from its instances to the band-tensor elements they feed."""
+    rel: dict[str, isl.Map] = {}
+    stmts = prog.statements
+    for k in reversed(range(len(stmts))):
+        s = stmts[k]
+        w = _ctxd(s.write, prog)
+        t = w.get_tuple_name(isl.dim_type.out)
+        acc = None
+        for c in stmts[k + 1:]:
+            for r in c.reads:
+                if r.get_tuple_name(isl.dim_type.out) != t or c.node is s.node:
+                    continue
+                part = w.apply_range(_ctxd(r, prog).reverse()).apply_range(rel[c.name])
+                acc = part if acc is None else acc.union(part)
+        if t == band_t:
+            acc = w if acc is None else acc.union(w)
+        if acc is None:
+            raise NotOneGroup(f"statement {s.name} ({s.node.op}) does not feed the final output")
+        rel[s.name] = acc.coalesce()
+    return rel
+
+
+def _single_valued_dims(m: isl.Map) -> list[int]:
+    n = m.dim(isl.dim_type.out)
+    return [d for d in range(n) if _project_out_all_but(m, [d]).is_single_valued()]
+
+
+def _extent(s: isl.Set, d: int) -> int:
+    lo = s.dim_min_val(d)
+    hi = s.dim_max_val(d)
+    return int(hi.to_python()) - int(lo.to_python()) + 1
+
+
+# ----------------------------------------------------------------------------- direct
+
+def build_fused_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Schedule, int, tuple]:
+    """The directly built fused schedule tree, its outer band size and band extents.
+
+    Raises NotOneGroup when some statement does not feed the final output, when the tree is
+    not one group, or when isl finds it illegal.
+    """
+    band_t = _band_tensor(prog)
+    rel = _to_band_space(prog, band_t)
+    stmts = prog.statements
+    for s in stmts:
+        if not _ctxd(s.domain, prog).is_subset(rel[s.name].domain()):
+            raise NotOneGroup(f"statement {s.name} has instances that feed no output")
+    rank = rel[stmts[-1].name].dim(isl.dim_type.out)
+    band_dims = [d for d in range(rank)
+                 if all(d in _single_valued_dims(rel[s.name]) for s in stmts)]
+    # drop band dims that are constant for the band tensor (size-1 / keepdims dims)
+    band_set = _ctxd(rel[stmts[-1].name], prog).range()
+    band_dims = [d for d in band_dims if _extent(band_set, d) > 1] or band_dims[:0]
+    extents = tuple(_extent(band_set, d) for d in band_dims)
+    bmap = {s.name: _anon_range(_project_out_all_but(rel[s.name], band_dims)).gist_params(prog.context)
+            for s in stmts}
+
+    # residual (inner) dims: domain dims not fixed by the band value
+    resid: dict[str, list[int]] = {}
+    for s in stmts:
+        inv = bmap[s.name].reverse() if band_dims else None
+        n = s.domain.dim(isl.dim_type.set)
+        dom = _ctxd(s.domain, prog)
+        r = []
+        for d in range(n):
+            if _extent(dom, d) == 1:
+                continue
+            if inv is not None and _project_out_all_but(inv, [d]).is_single_valued():
+                continue
+            r.append(d)
+        resid[s.name] = r
+
+    def inner_map(s: Statement, width: int) -> isl.Map:
+        dims = resid[s.name]
+        m = isl.Map.identity(s.domain.get_space().map_from_set())
+        m = _project_out_all_but(m, dims)
+        return _anon_range(m).intersect_domain(s.domain)
+
+    def full_map(s: Statement) -> isl.Map:
+        b = bmap[s.name]
+        if not resid[s.name]:
+            return b if band_dims else isl.Map.from_domain(_ctxd(s.domain, prog))
+        i = _ctxd(inner_map(s, len(resid[s.name])), prog)
+        return b.range_product(i).flatten_range() if band_dims else i
+
+    validity = _ctxd(deps.validity, prog)
+
+    def pointwise(a: Statement, b: Statement) -> bool:
+        d = validity.intersect_domain(isl.UnionSet.from_set(_ctxd(a.domain, prog))) \
+            .intersect_range(isl.UnionSet.from_set(_ctxd(b.domain, prog)))
+        if d.is_empty():
+            return True
+        dm = isl.Map.from_union_map(d)
+        t = dm.apply_domain(full_map(a)).apply_range(full_map(b))
+        return t.is_subset(isl.Map.lex_le(t.get_space().domain()))
+
+    ordered = [s for s in stmts if s.role == INIT] + [s for s in stmts if s.role != INIT]
+    groups: list[list[Statement]] = []
+    for s in ordered:
+        g = groups[-1] if groups else None
+        if g is not None and len(resid[g[0].name]) == len(resid[s.name]) \
+                and all(pointwise(a, s) for a in g):
+            g.append(s)
+        else:
+            groups.append([s])
+    if not band_dims and sum(1 for g in groups if resid[g[0].name]) > 1:
+        raise NotOneGroup("no shared parallel band and several loop nests")
+
+    tree = _tree_text(prog, band_dims, bmap, groups, resid, inner_map)
+    sched = isl.Schedule(tree, context=prog.ctx)
+    if not check_legal(sched, deps, prog):
+        raise NotOneGroup("the directly built fused schedule violates a dependence")
+    return sched, len(band_dims), extents
+
+
+def _ser(x) -> str:
+    if isinstance(x, dict):
+        return "{ " + ", ".join(f"{k}: {_ser(v)}" for k, v in x.items() if v is not None) + " }"
+    if isinstance(x, list):
+        return "[ " + ", ".join(_ser(v) for v in x) + " ]"
+    if isinstance(x, str):
+        return '"' + x + '"'
+    return str(x)
+
+
+def _tree_text(prog, band_dims, bmap, groups, resid, inner_map) -> str:
+    """YAML-like text of the fused tree: band (optional) -> sequence of groups."""
+    def mupa(maps) -> str:
+        u = isl.UnionMap.empty(prog.context.get_space())
+        for m in maps:
+            u = u.union(isl.UnionMap.from_map(m))
+        return str(isl.MultiUnionPwAff.from_union_map(u))
+
+    def filt(ss) -> str:
+        u = isl.UnionSet.empty(prog.context.get_space())
+        for s in ss:
+            u = u.union(isl.UnionSet.from_set(isl.Set.universe(s.domain.get_space())))
+        return str(u)
+
+    def group_child(g):
+        seq = {"sequence": [{"filter": filt([s])} for s in g]} if len(g) > 1 else None
+        w = len(resid[g[0].name])
+        if w:
+            return {"schedule": mupa(inner_map(s, w) for s in g), "child": seq}
+        return seq
+
+    if len(groups) == 1:
+        body = group_child(groups[0])
+    else:
+        body = {"sequence": [{"filter": filt(g), "child": group_child(g)} for g in groups]}
+    if band_dims:
+        body = {"schedule": mupa(bmap[s.name] for s in prog.statements), "permutable": 1,
+                "coincident": [1] * len(band_dims), "child": body}
+    return _ser({"domain": str(prog.domain()), "child": body})
+
+
+def check_legal(sched: isl.Schedule, deps: Dependences, prog: PolyProgram) -> bool:
+    """True if every validity dependence goes forward in ``sched``'s order."""
+    m = _ctxd(sched.get_map(), prog)
+    validity = _ctxd(deps.validity, prog)
+    return validity.is_subset(m.lex_lt_union_map(m))
+
+
+# ----------------------------------------------------------------------------- isl scheduler
+
+def isl_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Schedule, int, tuple]:
+    """isl's own scheduler (whole-component, then defaults); the first one-group result.
+
+    Must run inside :func:`budget`.  Raises NotOneGroup when neither option set gives one
+    outer band over all statements.
+    """
+    ctx = prog.ctx
+    dom = prog.domain()
+    v = deps.validity
+    sc = isl.ScheduleConstraints.on_domain(dom).set_context(prog.context) \
+        .set_validity(v).set_proximity(v).set_coincidence(v)
+    old = ctx.get_schedule_whole_component()
+    try:
+        for whole in (1, 0):
+            ctx.set_schedule_whole_component(whole)
+            sched = sc.compute_schedule()
+            got = _one_group(sched, prog)
+            if got is not None:
+                return sched, got[0], got[1]
+    finally:
+        ctx.set_schedule_whole_component(old)
+    raise NotOneGroup("the isl scheduler split the micro-graph into several groups")
+
+
+def _one_group(sched: isl.Schedule, prog: PolyProgram):
+    node = sched.get_root().child(0)
+    if node.get_type() != isl.schedule_node_type.band:
+        return None
+    part = _ctxd(node.band_get_partial_schedule_union_map(), prog)
+    rng = isl.Set.from_union_set(part.range()) if not part.is_empty() else None
+    if rng is None:
+        return None
+    n = node.band_n_member()
+    extents = tuple(_extent(rng, d) for d in range(n))
+    if not any(e > 1 for e in extents):
+        return None
+    return n, extents
+
+
+# ----------------------------------------------------------------------------- tiling
+
+def tile_outer_band(sched: isl.Schedule, band: int, sizes) -> isl.Schedule:
+    """Tile the first ``band`` members of the outer band by ``sizes`` (one per member;
+    a size of 0 or None, or a missing size, leaves that member untiled)."""
+    if not band or not sizes:
+        return sched
+    node = sched.get_root().child(0)
+    if node.get_type() != isl.schedule_node_type.band:
+        return sched
+    n = node.band_n_member()
+    vals = [int(s) if s else 0 for s in list(sizes)[:n]] + [0] * max(0, n - len(sizes))
+    if not any(vals):
+        return sched
+    big = 1 << 30
+    vals = [v if v > 0 else big for v in vals]
+    mv = isl.MultiVal.zero(node.band_get_space())
+    for k, v in enumerate(vals):
+        mv = mv.set_val(k, isl.Val.int_from_si(sched.get_ctx(), v))
+    return node.band_tile(mv).get_schedule()
+
+
+def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[FusedSchedule, Dependences]:
+    """Dependences + one-group schedule of ``prog`` within ``budget_ops`` isl operations.
+
+    ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then the isl
+    scheduler.  Raises BudgetExceeded or NotOneGroup.
+    """
+    t0 = time.perf_counter()
+    with budget(prog.ctx, budget_ops):
+        deps = deps_fn(prog)
+        try:
+            sched, nb, ext = build_fused_schedule(prog, deps)
+            strategy = "direct"
+        except NotOneGroup:
+            sched, nb, ext = isl_schedule(prog, deps)
+            strategy = "isl"
+    return FusedSchedule(sched, nb, ext, strategy, (time.perf_counter() - t0) * 1e3), deps
