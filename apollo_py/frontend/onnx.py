@@ -1,0 +1,489 @@
+"""ONNX front end: load a model (path, bytes or ModelProto) into a :class:`Program`.
+
+Loading parses and checks the model, reads external data (refusing any location outside the
+model's directory), inlines model-local functions and turns nodes and initializers into plain
+Python data.  ``specialize(shapes)`` then lowers the nodes, for concrete input shapes, into a
+primitive :class:`~apollo_py.ir.Graph` through the converters of :mod:`.onnx_ops`; values
+that only depend on constants (Shape -> Gather -> Concat -> Reshape chains) are folded at that
+time, so shape arithmetic never reaches the graph.  ``onnx`` itself is imported lazily, inside
+:func:`load_onnx`, to keep ``import apollo_py`` fast.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import ApolloError, InputError, ModelLoadError, ShapeError, UnsupportedOpError
+from ..ir.builder import GraphBuilder, Value
+from ..ir.graph import Graph, Node
+from ..ir.types import DTYPES
+from ..ir.verify import verify
+from ..ops import compound as C
+from ..ops.registry import get_op
+from . import InputSpec, Program
+
+#: ONNX TensorProto element type -> apollo dtype name (the dtypes apollo_py supports)
+ONNX_DTYPES = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
+_ONNX_TYPE_NAMES = {0: "undefined", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 8: "string",
+                    12: "uint32", 13: "uint64", 14: "complex64", 15: "complex128", 16: "bfloat16",
+                    17: "float8e4m3fn", 18: "float8e4m3fnuz", 19: "float8e5m2", 20: "float8e5m2fnuz",
+                    21: "uint4", 22: "int4", 23: "float4e2m1"}
+
+
+def onnx_dtype(elem_type: int, what: str) -> str:
+    """apollo dtype name for ONNX element type ``elem_type``; UnsupportedOpError naming ``what``."""
+    try:
+        return ONNX_DTYPES[int(elem_type)]
+    except KeyError:
+        name = _ONNX_TYPE_NAMES.get(int(elem_type), str(elem_type))
+        raise ShapeError(f"{what} has element type {name}, which apollo_py does not support "
+                         f"(supported: {', '.join(DTYPES)})") from None
+
+
+@dataclass(frozen=True)
+class OnnxNode:
+    """An ONNX node as plain data: op type, domain, name (never empty), value names, attributes.
+
+    Attribute values are Python scalars, strings, lists, or numpy arrays for tensor attributes.
+    Missing optional inputs/outputs are empty strings, as in ONNX.
+    """
+
+    op_type: str
+    domain: str
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: Mapping[str, Any]
+
+    def describe(self) -> str:
+        return f"node {self.name!r} ({self.op_type})"
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def load_onnx(model: Any) -> "OnnxProgram":
+    """Load an ONNX model given as a path (str / os.PathLike), bytes, or ``onnx.ModelProto``.
+
+    Returns an :class:`OnnxProgram`.  Raises ModelLoadError for unreadable, malformed or
+    truncated models and for external data that would be read from outside the model's folder.
+    """
+    import onnx
+
+    base_dir = None
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, (bytes, bytearray, memoryview)):
+        proto = _parse(bytes(model), "the model bytes")
+    elif isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read ONNX model {path!r}: {e.strerror or e}") from None
+        proto = _parse(data, f"ONNX model file {path!r}")
+        base_dir = os.path.dirname(os.path.abspath(path))
+    else:
+        raise ModelLoadError(f"cannot load a model from a {type(model).__name__}: pass a path, bytes, "
+                             "an onnx.ModelProto or an apollo_py Graph")
+    if not proto.HasField("graph"):
+        raise ModelLoadError("the ONNX model has no graph (malformed or truncated model)")
+    proto = _resolve_external_data(proto, base_dir)
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as e:  # checker raises ValidationError and, for odd protos, others
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"invalid ONNX model: {first}") from None
+    if proto.functions:
+        try:
+            from onnx import inliner
+            proto = inliner.inline_local_functions(proto)
+        except Exception as e:
+            raise ModelLoadError(f"cannot inline the model's local functions: {e}") from None
+    return OnnxProgram(proto)
+
+
+def _parse(data: bytes, what: str):
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"{what} is not a valid ONNX model (malformed or truncated): {e}") from None
+    if not data or not proto.HasField("graph"):
+        raise ModelLoadError(f"{what} is not a valid ONNX model (malformed or truncated: no graph)")
+    return proto
+
+
+def _external_tensors(proto):
+    """Every TensorProto of the main graph (initializers, Constant attributes) stored externally."""
+    import onnx
+
+    out = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    for n in proto.graph.node:
+        for a in n.attribute:
+            if a.HasField("t") and a.t.data_location == onnx.TensorProto.EXTERNAL:
+                out.append(a.t)
+    return out
+
+
+def _resolve_external_data(proto, base_dir: str | None):
+    """A copy of ``proto`` with external tensor data read in; ModelLoadError on unsafe locations."""
+    import onnx
+
+    if not _external_tensors(proto):
+        return proto
+    if base_dir is None:
+        raise ModelLoadError("the model refers to external data but was not loaded from a file; "
+                             "load it by path so that the data files can be found")
+    proto2 = onnx.ModelProto()
+    proto2.CopyFrom(proto)
+    root = os.path.realpath(base_dir)
+    for t in _external_tensors(proto2):
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        if not loc or os.path.isabs(loc) or os.path.splitdrive(loc)[0]:
+            raise ModelLoadError(f"tensor {t.name!r}: external data location {loc!r} must be a relative "
+                                 "path inside the model's directory")
+        full = os.path.realpath(os.path.join(root, loc))
+        if os.path.commonpath([root, full]) != root:
+            raise ModelLoadError(f"tensor {t.name!r}: external data location {loc!r} resolves outside the "
+                                 f"model's directory {root!r}; refusing to read it")
+        try:
+            offset = int(info.get("offset", 0) or 0)
+            length = int(info["length"]) if info.get("length") else None
+            with open(full, "rb") as f:
+                f.seek(offset)
+                data = f.read() if length is None else f.read(length)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"tensor {t.name!r}: cannot read external data {loc!r}: {e}") from None
+        if length is not None and len(data) != length:
+            raise ModelLoadError(f"tensor {t.name!r}: external data {loc!r} is truncated "
+                                 f"({len(data)} of {length} bytes)")
+        t.raw_data = data
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+    return proto2
+
+
+def _attr_value(attr):
+    from onnx import helper, numpy_helper
+
+    v = helper.get_attribute_value(attr)
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if hasattr(v, "data_type") and hasattr(v, "dims"):  # TensorProto
+        return _tensor_array(v, f"attribute {attr.name!r}")
+    if isinstance(v, list):
+        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else x for x in v]
+    return v
+
+
+def _tensor_array(t, what: str):
+    """numpy array of TensorProto ``t`` (unsupported element types are kept as they are)."""
+    from onnx import numpy_helper
+
+    try:
+        return numpy_helper.to_array(t)
+    except Exception as e:
+        raise ModelLoadError(f"{what}: cannot decode tensor {t.name!r}: {e}") from None
+
+
+def _input_spec(vi, initializers) -> InputSpec:
+    tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+    if tt is None:
+        raise ModelLoadError(f"graph input {vi.name!r} is not a tensor (sequences, maps and optionals "
+                             "are not supported)")
+    try:
+        dtype = onnx_dtype(tt.elem_type, f"graph input {vi.name!r}")
+    except ShapeError as e:
+        raise ModelLoadError(str(e)) from None
+    if not tt.HasField("shape"):
+        raise ModelLoadError(f"graph input {vi.name!r} has no shape (not even a rank); apollo_py "
+                             "needs the rank of every input")
+    dims = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return InputSpec(vi.name, tuple(dims), dtype)
+
+
+# --- the program ---------------------------------------------------------------------------------
+
+
+class OnnxProgram(Program):
+    """An ONNX model ready to be specialised: inputs (possibly symbolic), outputs, nodes.
+
+    ``opset`` is the default-domain opset version.  ``specialize(shapes)`` returns the verified
+    primitive Graph for concrete input shapes; graph inputs and outputs keep their ONNX names.
+    """
+
+    def __init__(self, proto):
+        g = proto.graph
+        self.name = g.name or "model"
+        self.opset = 1
+        for imp in proto.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                self.opset = int(imp.version)
+        self.initializers = {t.name: _tensor_array(t, f"initializer {t.name!r}") for t in g.initializer}
+        self.inputs = tuple(_input_spec(vi, self.initializers) for vi in g.input
+                            if vi.name not in self.initializers)
+        self.outputs = tuple(o.name for o in g.output)
+        nodes = []
+        for k, n in enumerate(g.node):
+            attrs = {a.name: _attr_value(a) for a in n.attribute}
+            nodes.append(OnnxNode(n.op_type, n.domain, n.name or f"{n.op_type}_{k}", tuple(n.input),
+                                  tuple(n.output), attrs))
+        self.nodes = tuple(nodes)
+
+    def _check_shapes(self, shapes: Mapping[str, tuple]) -> dict[str, tuple[int, ...]]:
+        out, bound = {}, {}
+        for spec in self.inputs:
+            if spec.name not in shapes:
+                raise InputError(f"{self.name}: no shape given for input {spec.name!r}")
+            shape = tuple(int(d) for d in shapes[spec.name])
+            if not spec.matches(shape):
+                raise InputError(f"input {spec.name!r} has shape {shape}, expected {spec.describe()}")
+            for d, s in zip(spec.dims, shape):
+                if isinstance(d, str):
+                    if bound.setdefault(d, (s, spec.name))[0] != s:
+                        raise InputError(f"input {spec.name!r}: dim {d!r} is {s} here but "
+                                         f"{bound[d][0]} in input {bound[d][1]!r}")
+            out[spec.name] = shape
+        return out
+
+    def specialize(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
+        """The primitive graph for these input shapes (name -> shape)."""
+        from .onnx_ops import convert_node
+
+        shapes = self._check_shapes(shapes)
+        b = FoldingBuilder(self.name)
+        env: dict[str, Value] = {}
+        for spec in self.inputs:
+            env[spec.name] = b.input(spec.name, shapes[spec.name], spec.dtype)
+        lowering = Lowering(b, env, self.initializers, self.opset)
+        for node in self.nodes:
+            lowering.run(node)
+        outs = [lowering.value(o, f"graph output {o!r}") for o in self.outputs]
+        b.set_source()
+        return finalize(b, [s.name for s in self.inputs], list(zip(self.outputs, outs)))
+
+
+class FoldingBuilder(GraphBuilder):
+    """A GraphBuilder that can evaluate values depending only on constants (shape arithmetic)."""
+
+    def __init__(self, name: str = "graph"):
+        super().__init__(name)
+        self.producer: dict[str, Node] = {}
+        self._known: dict[str, np.ndarray | None] = {}
+
+    def op(self, op, *inputs, **kw):
+        outs = super().op(op, *inputs, **kw)
+        node = self._nodes[-1]
+        for o in node.outputs:
+            self.producer[o] = node
+        return outs
+
+    def nodes(self) -> list[Node]:
+        return list(self._nodes)
+
+    def types(self) -> dict:
+        return dict(self._types)
+
+    def const_value(self, v: Value) -> np.ndarray | None:
+        """The array of ``v`` if it depends on constants only (evaluated by the references), else None."""
+        stack = [v.name]
+        while stack:
+            name = stack[-1]
+            if name in self._known:
+                stack.pop()
+                continue
+            node = self.producer.get(name)
+            if node is None:
+                self._known[name] = None
+                stack.pop()
+                continue
+            pending = [i for i in node.inputs if i not in self._known]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            args = [self._known[i] for i in node.inputs]
+            if any(a is None for a in args):
+                for o in node.outputs:
+                    self._known[o] = None
+                continue
+            with np.errstate(all="ignore"):
+                res = get_op(node.op).reference(args, node.attrs)
+            for o, r in zip(node.outputs, res):
+                self._known[o] = np.asarray(r, dtype=self._types[o].np_dtype)
+        return self._known[v.name]
+
+
+class Lowering:
+    """State of one specialisation: builder, ONNX name -> Value, initializers, opset."""
+
+    def __init__(self, b: FoldingBuilder, env: dict, initializers: Mapping[str, np.ndarray], opset: int):
+        self.b, self.env, self.initializers, self.opset = b, env, initializers, opset
+
+    def value(self, name: str, what: str) -> Value:
+        v = self.env.get(name)
+        if v is None:
+            arr = self.initializers.get(name)
+            if arr is None:
+                raise ShapeError(f"{what} reads value {name!r}, which no node or initializer defines")
+            onnx_dtype_of_array(arr, f"initializer {name!r}")
+            v = self.env[name] = self.b.constant(arr)
+        return v
+
+    def run(self, node: OnnxNode) -> None:
+        from .onnx_ops import convert_node
+
+        if node.domain not in ("", "ai.onnx"):
+            raise UnsupportedOpError(node.op_type, node.name, f"domain {node.domain!r} is not supported")
+        self.b.set_source(node.name)
+        try:
+            outs = convert_node(NodeContext(self, node))
+        except UnsupportedOpError:
+            raise
+        except ApolloError as e:
+            msg = str(e)
+            prefix = node.describe()
+            raise type(e)(msg if msg.startswith(prefix) else f"{prefix}: {msg}") from None
+        for name, v in zip(node.outputs, outs):
+            if name and v is not None:
+                self.env[name] = v
+
+
+def onnx_dtype_of_array(arr: np.ndarray, what: str) -> str:
+    """apollo dtype of a numpy array from the model; ShapeError naming ``what`` if unsupported."""
+    if arr.dtype.name not in DTYPES:
+        raise ShapeError(f"{what} has dtype {arr.dtype.name}, which apollo_py does not support "
+                         f"(supported: {', '.join(DTYPES)})")
+    return arr.dtype.name
+
+
+class NodeContext:
+    """What a converter sees: its node, inputs as Values or constants, attributes, the opset."""
+
+    def __init__(self, lowering: Lowering, node: OnnxNode):
+        self.lowering = lowering
+        self.b = lowering.b
+        self.node = node
+        self.opset = lowering.opset
+
+    @property
+    def n_in(self) -> int:
+        return len(self.node.inputs)
+
+    @property
+    def n_out(self) -> int:
+        return len(self.node.outputs)
+
+    def has(self, i: int) -> bool:
+        return i < len(self.node.inputs) and bool(self.node.inputs[i])
+
+    def wants(self, i: int) -> bool:
+        """Whether output ``i`` is requested (present and named)."""
+        return i < len(self.node.outputs) and bool(self.node.outputs[i])
+
+    def x(self, i: int) -> Value | None:
+        """Input ``i`` as a Value, or None when it is absent (optional input)."""
+        if not self.has(i):
+            return None
+        return self.lowering.value(self.node.inputs[i], self.node.describe())
+
+    def need(self, i: int) -> Value:
+        v = self.x(i)
+        if v is None:
+            raise ShapeError(f"{self.node.describe()}: input {i} is required")
+        return v
+
+    def inputs(self) -> list[Value]:
+        return [self.need(i) for i in range(self.n_in) if self.has(i)]
+
+    def const(self, i: int, default=None):
+        """Input ``i`` as a numpy array (it must be computable at compile time), or ``default``."""
+        v = self.x(i)
+        if v is None:
+            return default
+        arr = self.b.const_value(v)
+        if arr is None:
+            raise UnsupportedOpError(self.node.op_type, self.node.name,
+                                     f"input {i} ({self.node.inputs[i]!r}) must be a constant or "
+                                     "computable from shapes; data-dependent shapes are not supported")
+        return arr
+
+    def ints(self, i: int, default=None):
+        arr = self.const(i)
+        return default if arr is None else [int(a) for a in np.asarray(arr).reshape(-1)]
+
+    def attr(self, name: str, default=None):
+        return self.node.attrs.get(name, default)
+
+    def unsupported(self, detail: str) -> UnsupportedOpError:
+        return UnsupportedOpError(self.node.op_type, self.node.name, detail)
+
+    def error(self, msg: str) -> ShapeError:
+        return ShapeError(f"{self.node.describe()}: {msg}")
+
+
+# --- finishing the graph ------------------------------------------------------------------------
+
+
+def finalize(b: FoldingBuilder, inputs: list[str], outputs: list[tuple[str, Value]]) -> Graph:
+    """Build the graph: outputs renamed to their ONNX names, dead nodes (folded shape math) dropped.
+
+    An output that is a graph input, or a value already given to an earlier output, gets a copy
+    node so that every graph output is a distinct node output.
+    """
+    claimed: set[str] = set()
+    final: list[tuple[str, Value]] = []
+    for oname, v in outputs:
+        if v.name in inputs or v.name in claimed:
+            b.set_source("output " + oname)
+            v = C.copy(b, v)
+        claimed.add(v.name)
+        final.append((oname, v))
+    nodes, types = b.nodes(), b.types()
+    rename = {v.name: oname for oname, v in final if v.name != oname}
+    targets = set(rename.values())
+    for t in list(targets):
+        if t in types and t not in rename and t not in inputs:
+            fresh = t
+            while fresh in types or fresh in targets:
+                fresh = b.fresh("v")
+            rename[t] = fresh
+    # liveness: walk back from the outputs
+    producer = {o: n for n in nodes for o in n.outputs}
+    live: set[int] = set()
+    stack = [v.name for _, v in final]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        n = producer.get(name)
+        if n is not None and id(n) not in live:
+            live.add(id(n))
+            stack.extend(n.inputs)
+
+    def rn(x):
+        return rename.get(x, x)
+
+    kept = [n.replace(inputs=tuple(rn(i) for i in n.inputs), outputs=tuple(rn(o) for o in n.outputs))
+            for n in nodes if id(n) in live]
+    new_types = {rn(k): t for k, t in types.items() if k in seen or k in inputs}
+    g = Graph(tuple(inputs), tuple(oname for oname, _ in final), tuple(kept), new_types, b.name)
+    return verify(g)

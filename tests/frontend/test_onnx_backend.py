@@ -1,0 +1,145 @@
+"""ONNX backend node tests (onnx.backend.test) run through ``apollo_py.jit(..., target="reference")``.
+
+Every op type the ONNX front end converts is included, plain and ``_expanded`` (the function-
+body expansion into simpler ONNX ops).  Cases that cannot pass are excluded below, each with
+its reason.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx.backend.base
+import onnx.backend.test
+
+import apollo_py
+
+
+# Inputs that node tests feed at run time although the op needs their values at compile time
+# (shapes, axes, pads, repeats, ...).  apollo_py specialises on input *shapes*, so a real model
+# must compute these from constants or shapes; the test backend freezes them into initializers
+# (with the test's values) before compiling, exactly as an exporter would have.
+STATIC_OPERANDS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,),
+    "Unsqueeze": (1,), "Pad": (1, 2, 3), "Split": (1,), "ConstantOfShape": (0,),
+    "Range": (0, 1, 2), "Dropout": (1, 2), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+    "ReduceProd": (1,), "ReduceMean": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
+    "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
+}
+
+
+def static_inputs(model) -> set[str]:
+    """Graph inputs that feed a compile-time operand of some node."""
+    names = {vi.name for vi in model.graph.input}
+    out = set()
+    for n in model.graph.node:
+        for k in STATIC_OPERANDS.get(n.op_type, ()):
+            if k < len(n.input) and n.input[k] in names:
+                out.add(n.input[k])
+    return out
+
+
+class ApolloRep(onnx.backend.base.BackendRep):
+    """A prepared model: freezes static operands, compiles, returns the outputs in order."""
+
+    def __init__(self, model):
+        self.model = model
+        self.frozen = static_inputs(model)
+        self.compiled = None if self.frozen else apollo_py.jit(model, target="reference")
+
+    def run(self, inputs, **kwargs):
+        if isinstance(inputs, np.ndarray):
+            inputs = [inputs]
+        if isinstance(inputs, dict):
+            inputs = [inputs[vi.name] for vi in self.model.graph.input]
+        compiled = self.compiled
+        live = list(inputs)
+        if self.frozen:
+            m = onnx.ModelProto()
+            m.CopyFrom(self.model)
+            keep, live = [], []
+            for vi, arr in zip(self.model.graph.input, inputs):
+                if vi.name in self.frozen:
+                    m.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(arr), vi.name))
+                else:
+                    keep.append(vi)
+                    live.append(arr)
+            del m.graph.input[:]
+            m.graph.input.extend(keep)
+            compiled = apollo_py.jit(m, target="reference")
+        return tuple(compiled.run(*live))
+
+
+class ApolloBackend(onnx.backend.base.Backend):
+    """onnx.backend wrapper around ``apollo_py.jit(model, target="reference")``."""
+
+    @classmethod
+    def prepare(cls, model, device="CPU", **kwargs):
+        super().prepare(model, device, **kwargs)
+        return ApolloRep(model)
+
+    @classmethod
+    def supports_device(cls, device):
+        return device == "CPU"
+
+
+# op types, as they are spelled in the test names, that the front end converts
+OPS = [
+    "abs", "add", "and", "averagepool", "basic_conv", "batchnorm", "cast", "castlike", "ceil",
+    "celu", "clip", "concat", "constant", "constantofshape", "conv", "div", "dropout", "elu",
+    "equal", "erf", "exp", "expand", "flatten", "floor", "gather", "gelu", "gemm",
+    "globalaveragepool", "globalmaxpool", "greater", "greater_equal", "hardsigmoid", "hardswish",
+    "identity", "instancenorm", "isinf", "isnan", "layer_normalization", "leakyrelu", "less",
+    "less_equal", "log", "logsoftmax", "matmul", "max", "maxpool", "mean", "min", "mish", "mul",
+    "mvn", "neg", "not", "or", "pow", "prelu", "range", "reciprocal", "reduce_l1", "reduce_l2",
+    "reduce_log_sum", "reduce_log_sum_exp", "reduce_max", "reduce_mean", "reduce_min",
+    "reduce_prod", "reduce_sum", "reduce_sum_square", "relu", "reshape", "selu", "shape",
+    "sigmoid", "sign", "size", "slice", "softmax", "softplus", "softsign", "split", "sqrt",
+    "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
+    "xor", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
+]
+
+backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
+for _op in OPS:
+    backend_test.include(rf"^test_{_op}(_.*)?_cpu$")
+
+# pattern -> why it cannot pass
+EXCLUDE = {
+    # element types outside apollo_py's six (float32/16/64, int32/64, bool)
+    r"u?int(2|4|8|16)|uint(32|64)|UINT|INT(2|4|8|16)": "integer dtype apollo_py does not support",
+    r"bfloat16|BFLOAT16": "bfloat16 is not supported",
+    r"float8|FLOAT8|e4m3|e5m2|float4|FLOAT4": "float8/float4 are not supported",
+    r"string|STRING": "string tensors are not supported",
+    # other op types whose test names start like a supported op's
+    r"^test_gather_elements_": "GatherElements is a different op, not converted",
+    r"^test_split_to_sequence_": "SplitToSequence produces a sequence, not converted",
+    r"^test_identity_(opt|sequence)_": "optional and sequence types are not supported",
+    # semantics apollo_py does not implement
+    r"^test_batchnorm_.*training_mode": "training-mode BatchNormalization (batch statistics)",
+    r"^test_maxpool_with_argmax_": "MaxPool's Indices output is not supported",
+    r"^test_range_.*_expanded_": "the expansion of Range uses Loop (control flow)",
+    r"^test_training_dropout": "training-mode Dropout draws random masks",
+}
+
+
+def _scalar_inputs_work() -> bool:
+    """Whether CompiledGraph accepts 0-d inputs (its input binding once turned () into (1,))."""
+    b = apollo_py.GraphBuilder("probe")
+    x = b.input("x", ())
+    try:
+        apollo_py.jit(b.build([b.neg(x)]), target="reference")(np.float32(1))
+        return True
+    except apollo_py.InputError:
+        return False
+
+
+if not _scalar_inputs_work():
+    # bug outside the front end: apollo_py/api.py binds inputs with np.ascontiguousarray, which
+    # returns shape (1,) for a 0-d array, so these models (scalar min/max/bias/exponent inputs)
+    # are rejected with InputError.  Applies only while that bug is present.
+    EXCLUDE[r"^test_clip_(default_m(in|ax)_|example_|inbounds_|min_greater_than_max_|outbounds_"
+            r"|splitbounds_)?(expanded_)?cpu$"] = "0-d inputs rejected by api._bind"
+    EXCLUDE[r"^test_(gemm_default_scalar_bias|pow_bcast_scalar)_cpu$"] = "0-d inputs rejected by api._bind"
+
+for _pattern in EXCLUDE:
+    backend_test.exclude(_pattern)
+
+globals().update(backend_test.enable_report().test_cases)
