@@ -57,13 +57,13 @@ def is_int(dtype: str) -> bool:
 
 
 class Expr:
-    """Base class of expressions; provides operator overloading and ``dtype``."""
+    """Base class of expressions; provides operator overloading.
+
+    Every subclass has a ``dtype`` (a field for Var, Const and Cast, a property otherwise)
+    holding its compute dtype; it is not declared here so that it can be a dataclass field.
+    """
 
     __slots__ = ()
-
-    @property
-    def dtype(self) -> str:  # pragma: no cover - overridden
-        raise NotImplementedError
 
     def __add__(self, o): return Bin("add", self, as_expr(o, self.dtype))
     def __radd__(self, o): return Bin("add", as_expr(o, self.dtype), self)
@@ -102,23 +102,22 @@ class Var(Expr):
     """A scalar variable: a loop index or a Local."""
 
     name: str
-    dtype_: str = "int64"
+    dtype: str = "int64"
 
-    @property
-    def dtype(self) -> str:
-        return compute_dtype(self.dtype_)
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", compute_dtype(self.dtype))
 
 
 @dataclass(frozen=True, eq=True)
 class Const(Expr):
-    """A literal; ``value`` is normalised to bool/int/float according to ``dtype_``."""
+    """A literal; ``value`` is normalised to bool/int/float according to ``dtype``."""
 
     value: Union[bool, int, float]
-    dtype_: str = "int64"
+    dtype: str = "int64"
 
     def __post_init__(self):
-        d = compute_dtype(self.dtype_)
-        object.__setattr__(self, "dtype_", d)
+        d = compute_dtype(self.dtype)
+        object.__setattr__(self, "dtype", d)
         if d == "bool":
             object.__setattr__(self, "value", bool(self.value))
         elif is_int(d):
@@ -127,10 +126,6 @@ class Const(Expr):
             object.__setattr__(self, "value", int(self.value))
         else:
             object.__setattr__(self, "value", float(self.value))
-
-    @property
-    def dtype(self) -> str:
-        return self.dtype_
 
 
 @dataclass(frozen=True, eq=True)
@@ -200,14 +195,13 @@ class Select(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Cast(Expr):
-    """Convert ``a`` to ``dtype_`` (float->int truncates toward zero; x->bool is x != 0)."""
+    """Convert ``a`` to ``dtype`` (float->int truncates toward zero; x->bool is x != 0)."""
 
-    dtype_: str
+    dtype: str
     a: Expr
 
-    @property
-    def dtype(self) -> str:
-        return compute_dtype(self.dtype_)
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", compute_dtype(self.dtype))
 
 
 @dataclass(frozen=True, eq=True)
@@ -477,7 +471,7 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Select):
         return f"select({format_expr(e.cond)}, {format_expr(e.a)}, {format_expr(e.b)})"
     if isinstance(e, Cast):
-        return f"cast<{e.dtype_}>({format_expr(e.a)})"
+        return f"cast<{e.dtype}>({format_expr(e.a)})"
     if isinstance(e, Load):
         return f"{e.buf.name}[{format_expr(e.index)}]"
     raise CompileError(f"not an expression: {e!r}")

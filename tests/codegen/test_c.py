@@ -4,6 +4,7 @@ import pytest
 
 from apollo_py.codegen.c import compile_c, find_cc, render_c
 from apollo_py.codegen.llvm import compile_llvm
+from apollo_py.errors import CompileError
 
 import codegen_kernels as K
 
@@ -102,3 +103,15 @@ def test_parallel_chunk_in_c(rng):
     ck([x, np.zeros(n, np.float32), o], lo=2, hi=4)
     rows = o.reshape(m, n)
     assert (rows[:2] == -3).all() and (rows[4:] == -3).all() and (rows[2:4] != -3).all()
+
+
+def test_float16_storage_agrees(rng):
+    m, n = 4, 32
+    x = rng.standard_normal(m * n).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float16)
+    try:
+        c_out, l_out = _both(K.bias_gelu(m, n, "float16"), lambda: [x, b, np.empty_like(x)])
+    except CompileError as exc:  # the C compiler may lack _Float16
+        pytest.skip(f"C compiler without _Float16: {exc}")
+    np.testing.assert_allclose(c_out[2].astype(np.float32), l_out[2].astype(np.float32),
+                               rtol=1e-3, atol=1e-3)

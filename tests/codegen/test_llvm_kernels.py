@@ -171,3 +171,38 @@ def test_kernel_without_parallel_loop_ignores_lo_hi(rng):
     out = np.empty_like(a)
     ck([a, out], lo=0, hi=0)
     np.testing.assert_array_equal(out, a * 2)
+
+
+def test_asm_is_available_and_uses_host_vectors():
+    ck = compile_llvm(K.broadcast_add_mul(8, 64))
+    asm = ck.asm
+    assert "bcast_add_mul" in asm
+    assert re.search(r"%[yz]mm\d+", asm)
+
+
+def test_concurrent_compiles_are_safe(rng):
+    import threading
+    results, errors = {}, []
+
+    def job(n):
+        try:
+            results[n] = compile_llvm(K.bias_gelu(2, n))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=job, args=(16 * (k + 1),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for n, ck in results.items():
+        x = rng.standard_normal(2 * n).astype(np.float32)
+        o = np.empty_like(x)
+        ck([x, np.zeros(n, np.float32), o])
+        np.testing.assert_allclose(o, K.ref_gelu_tanh(x), rtol=2e-6, atol=1e-6)
+
+
+def test_pack_args_rejects_non_arrays():
+    ck = compile_llvm(K.bias_gelu(1, 4))
+    with pytest.raises(InputError, match="'x'"):
+        ck([[0.0] * 4, np.zeros(4, np.float32), np.zeros(4, np.float32)])
