@@ -316,9 +316,12 @@ def tile_outer_band(sched: isl.Schedule, band: int, sizes) -> isl.Schedule:
         return sched
     big = 1 << 30
     vals = [v if v > 0 else big for v in vals]
+    ctx = sched.get_ctx()
+    ctx.set_tile_scale_tile_loops(0)     # unit-step tile loops: the loop IR has step 1 only
+    ctx.set_tile_shift_point_loops(0)
     mv = isl.MultiVal.zero(node.band_get_space())
     for k, v in enumerate(vals):
-        mv = mv.set_val(k, isl.Val.int_from_si(sched.get_ctx(), v))
+        mv = mv.set_val(k, isl.Val.int_from_si(ctx, v))
     return node.band_tile(mv).get_schedule()
 
 
