@@ -35,15 +35,13 @@ class Plan:
         return json.dumps(doc, indent=1)
 
     def micro_graph_table(self) -> str:
-        """One row per micro-graph: index, kind, rules applied, ops, source nodes."""
-        rows = [("#", "kind", "rules", "ops", "sources")]
+        """One row per micro-graph: index, kind, rules applied, ops, ``<- source nodes``."""
+        rows = [("#", "kind", "rules", "ops <- sources")]
         for k, m in enumerate(self.micro_graphs):
-            rows.append((str(k), m.kind, ",".join(m.rules) or "-", " ".join(m.ops),
-                         ", ".join(m.source_nodes) or "-"))
+            src = f"  <- {', '.join(m.source_nodes)}" if m.source_nodes else ""
+            rows.append((str(k), m.kind, ",".join(m.rules) or "-", " ".join(m.ops) + src))
         w = [max(len(r[c]) for r in rows) for c in range(3)]
-        return "\n".join(f"  {r[0]:>{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}"
-                         + (f"  <- {r[4]}" if k and r[4] != "-" else ("  sources" if not k else ""))
-                         for k, r in enumerate(rows))
+        return "\n".join(f"  {r[0]:>{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}" for r in rows)
 
     def __str__(self) -> str:
         lines = [f"plan for {self.graph.name!r}: {len(self.graph.nodes)} primitives"]

@@ -23,7 +23,7 @@ import networkx as nx
 
 from ..ir.graph import Graph
 from ..ops.classify import OPAQUE
-from .clusters import FALLBACK_CLASS, canonical_order, classify_node, find_clusters
+from .clusters import canonical_order, classify_node, find_clusters
 from .micrograph import MicroGraph
 from .rules import Rule, RuleTable
 from .signature import pattern_signature
@@ -147,6 +147,5 @@ def aggregate(graph: Graph, rules: RuleTable) -> tuple[MicroGraph, ...]:
         g = state.groups[gid]
         nodes = [graph.nodes[order[p]] for p in g.members]
         classes = [state.classes[p] for p in g.members]
-        kind = g.kind if g.kind != FALLBACK_CLASS else FALLBACK_CLASS
-        result.append(MicroGraph.build(graph, nodes, classes, kind, [r for _, r in g.rules], g.cluster))
+        result.append(MicroGraph.build(graph, nodes, classes, g.kind, [r for _, r in g.rules], g.cluster))
     return tuple(result)
