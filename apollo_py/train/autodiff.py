@@ -54,6 +54,8 @@ def append_gradients(b: GraphBuilder, graph: Graph, vals: dict[str, Value], loss
         want = [v in needs for v in n.inputs]
         if not any(want):
             continue
+        if len(n.outputs) != 1:
+            raise UnsupportedOpError(n.op, n.label, "gradient rules cover single-output primitives")
         rule = RULES.get(n.op)
         if rule is None:
             raise UnsupportedOpError(n.op, n.label, "has no gradient rule (needed because it "

@@ -8,7 +8,7 @@ corrections are computed from it in float64 and cast to the parameter dtype.
 * :class:`SGD`: ``g += wd*p``; with momentum ``buf = g`` at t = 1, else
   ``buf = momentum*buf + (1-dampening)*g``; ``g = g + momentum*buf`` if nesterov else ``buf``;
   ``p -= lr*g``.
-* :class:`Adam`: ``g += wd*p``; ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
+* :class:`Adam`: ``g += wd*p``; ``m = lerp(m, g, 1-b1)``; ``v = b2*v + (1-b2)*g*g``;
   ``p -= lr/(1-b1**t) * m / (sqrt(v)/sqrt(1-b2**t) + eps)``.
 * :class:`AdamW`: ``p *= 1 - lr*wd`` (decoupled decay), then the Adam update without ``wd``.
 """
@@ -47,6 +47,13 @@ class Optimizer:
 
 def _c(b, v, like: Value) -> Value:
     return scalar(b, v, like.dtype)
+
+
+def _lerp(b, start: Value, end: Value, w: float) -> Value:
+    """``torch.lerp(start, end, w)`` with torch's two-sided formula (exact at w = 0 and 1)."""
+    if w < 0.5:
+        return b.add(start, b.mul(b.sub(end, start), _c(b, w, start)))
+    return b.sub(end, b.mul(b.sub(end, start), _c(b, 1 - w, start)))
 
 
 def _t_scalar(b: GraphBuilder, expr: Value, like: Value) -> Value:
@@ -111,14 +118,14 @@ class Adam(Optimizer):
     def update(self, b, p, g, state, t):
         b1, b2 = self.betas
         p, g = self._decay(b, p, g)
-        m = b.add(b.mul(state["exp_avg"], _c(b, b1, p)), b.mul(g, _c(b, 1 - b1, p)))
+        m = _lerp(b, state["exp_avg"], g, 1 - b1)
         v = b.add(b.mul(state["exp_avg_sq"], _c(b, b2, p)), b.mul(b.mul(g, g), _c(b, 1 - b2, p)))
         one = scalar(b, 1.0, t.dtype)
         bc1 = b.sub(one, b.pow(scalar(b, b1, t.dtype), t))
         bc2 = b.sub(one, b.pow(scalar(b, b2, t.dtype), t))
         step_size = _t_scalar(b, b.div(scalar(b, self.lr, t.dtype), bc1), p)
-        inv_sqrt_bc2 = _t_scalar(b, b.rsqrt(bc2), p)
-        denom = b.add(b.mul(b.sqrt(v), inv_sqrt_bc2), _c(b, self.eps, p))
+        sqrt_bc2 = _t_scalar(b, b.sqrt(bc2), p)
+        denom = b.add(b.div(b.sqrt(v), sqrt_bc2), _c(b, self.eps, p))
         new_p = b.sub(p, b.mul(step_size, b.div(m, denom)))
         return new_p, {"exp_avg": m, "exp_avg_sq": v}
 

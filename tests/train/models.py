@@ -92,7 +92,7 @@ class NumpyAdam:
                 gk = gk + np.float32(self.wd) * p[k]
             m = self.m.get(k, np.zeros_like(gk))
             v = self.v.get(k, np.zeros_like(gk))
-            m = np.float32(b1) * m + np.float32(1 - b1) * gk
+            m = m + (gk - m) * np.float32(1 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
             v = np.float32(b2) * v + np.float32(1 - b2) * gk * gk
             self.m[k], self.v[k] = m, v
             step_size = self.lr / (1 - b1 ** self.t)

@@ -10,7 +10,7 @@ from apollo_py.train.rules import NON_DIFFERENTIABLE
 
 from .fd import check_vjp
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 seeds = st.integers(0, 2**31 - 1)
 
 
