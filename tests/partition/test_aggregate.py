@@ -224,3 +224,17 @@ def test_bert_layer_plan():
     sigs = [m.signature for m in ms]
     half = len(ms) // 2
     assert sigs[:half] == sigs[half:]      # the two layers partition identically
+
+
+def test_explain_onnx_log_softmax_reduction_fuses_outside_op():
+    from onnx import TensorProto, helper
+    nodes = [helper.make_node("Mul", ["a", "a"], ["x"], name="sq"),
+             helper.make_node("LogSoftmax", ["x"], ["y"], axis=-1, name="lsm")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])])
+    plan = ap.explain(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert [(m.kind, list(m.rules), list(m.ops), list(m.source_nodes)) for m in plan.micro_graphs] == [
+        ("reduction", ["4"], ["mul", "reduce_max"], ["lsm", "sq"]),
+        ("reduction", ["3", "5"], ["sub", "exp", "reduce_sum"], ["lsm"]),
+        ("broadcast", ["2"], ["log", "sub"], ["lsm"]),
+    ]

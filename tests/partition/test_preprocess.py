@@ -214,3 +214,13 @@ def test_preprocess_pipeline_and_switch():
     assert after.outputs == ("out",)
     _check(before, after, after)
     assert preprocess(before, Options(preprocess=False)) is before
+
+
+def test_fold_small_iota():
+    b = GraphBuilder()
+    x = b.input("x", (2, 3))
+    before = b.build([x + b.cast(b.iota(shape=(2, 3), axis=1), to="float32")])
+    e = GraphBuilder()
+    x = e.input("x", (2, 3))
+    expected = e.build([x + e.constant(np.array([[0, 1, 2], [0, 1, 2]], F32))])
+    _check(before, preprocess(before, Options()), expected)
