@@ -417,6 +417,9 @@ class LLVMPrinter(Printer):
             call_args.append(f"ptr %a{i}")
         call_args += ["i64 %lo", "i64 %hi"]
         wrapper += [f"  call void @{k.name}.impl({', '.join(call_args)})", "  ret void", "}"]
+        if self.helpers:
+            for decl in llvm_math.INTRINSIC_DECLS:
+                self.declare(decl)
         attrs = [f"attributes #0 = {{ noinline nounwind {cpu_attrs} }}",
                  f"attributes #1 = {{ alwaysinline nounwind memory(none) {cpu_attrs} }}",
                  f"attributes #2 = {{ nounwind {cpu_attrs} }}"]

@@ -220,13 +220,14 @@ _BUILDERS = {"expf": (_exp, 1), "logf": (_log, 1), "tanhf": (_tanh, 1), "erff": 
 DEPENDS = {"tanhf": ("expf",), "erff": ("expf",), "sigmoidf": ("expf",),
            "powf": ("expf", "logf")}
 
-INTRINSIC_DECLS = """\
-declare float @llvm.fma.f32(float, float, float)
-declare float @llvm.rint.f32(float)
-declare float @llvm.fabs.f32(float)
-declare float @llvm.floor.f32(float)
-declare float @llvm.copysign.f32(float, float)
-"""
+#: declarations the helpers need; the renderer merges them with its own (deduplicated)
+INTRINSIC_DECLS = (
+    "declare float @llvm.fma.f32(float, float, float)",
+    "declare float @llvm.rint.f32(float)",
+    "declare float @llvm.fabs.f32(float)",
+    "declare float @llvm.floor.f32(float)",
+    "declare float @llvm.copysign.f32(float, float)",
+)
 
 
 def helper_names(used) -> list:
@@ -244,13 +245,11 @@ def helper_names(used) -> list:
 def render_helpers(used) -> str:
     """Return LLVM IR text defining ``@ap.<name>`` for each helper in ``used`` (+ deps).
 
-    Expects names from ``expf logf tanhf erff sigmoidf powf``; the text includes the
-    intrinsic declarations it needs, so it must appear once per module.
+    Expects names from ``expf logf tanhf erff sigmoidf powf``; the module must also contain
+    the declarations in :data:`INTRINSIC_DECLS` (once).
     """
     names = helper_names(used)
-    if not names:
-        return ""
-    parts = [INTRINSIC_DECLS]
+    parts = []
     for name in names:
         builder, arity = _BUILDERS[name]
         fn = _Fn()
