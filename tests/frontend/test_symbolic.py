@@ -1,0 +1,65 @@
+"""Models with symbolic dims: one CompiledGraph, several input shapes, each specialised."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import apollo_py
+from apollo_py import InputError
+from make_models import example_inputs, make_attention, make_layernorm_gelu
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _ort(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("make", [make_attention, make_layernorm_gelu])
+def test_two_shapes_one_compiled_graph(make):
+    model = make()
+    f = apollo_py.jit(model, target="reference")
+    spec = f.program.inputs[0]
+    assert any(isinstance(d, str) for d in spec.dims)
+    for dims in ({"B": 2, "S": 5, "N": 2}, {"B": 3, "S": 7, "N": 4}):
+        feeds = example_inputs(model, dims, seed=sum(dims.values()))
+        got = f(**feeds)
+        want = _ort(model, feeds)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len(f._cache) == 2
+
+
+def test_unknown_dim_is_symbolic():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3])
+    x.type.tensor_type.shape.dim[0].Clear()  # neither dim_value nor dim_param
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])
+    g = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=-1)], "g", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    f = apollo_py.jit(m, target="reference")
+    assert f.program.inputs[0].dims == (None, 3)
+    for n in (1, 6):
+        a = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+        e = np.exp(a - a.max(-1, keepdims=True))
+        np.testing.assert_allclose(f(a), e / e.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_shared_dim_param_must_agree():
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("a", "b")]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])
+    g = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"], name="add")], "g", ins, [out])
+    f = apollo_py.jit(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), target="reference")
+    np.testing.assert_array_equal(f(np.ones((3, 4), np.float32), np.ones((3, 4), np.float32)), 2)
+    with pytest.raises(InputError, match="'N'"):
+        f(np.ones((3, 4), np.float32), np.ones((2, 4), np.float32))
+
+
+def test_static_specialisation_checks_shapes():
+    model = make_attention()
+    prog = apollo_py.jit(model, target="reference").program
+    g = prog.specialize({"x": (2, 3, 32)})
+    assert g.types["x"].shape == (2, 3, 32) and g.types["y"].shape == (2, 3, 32)
+    with pytest.raises(InputError):
+        prog.specialize({"x": (2, 3, 31)})
