@@ -36,6 +36,12 @@ FOR_KINDS = ("serial", "parallel", "vector", "unroll", "gpu_block", "gpu_thread"
 ALLOC_SCOPES = ("local", "shared")
 
 
+def check_name(name: str, what: str) -> None:
+    """Raise CompileError unless ``name`` is a Python/C identifier (renderers use it as is)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise CompileError(f"{what} name {name!r} is not an identifier")
+
+
 def compute_dtype(dtype: str) -> str:
     """Return the dtype values of storage type ``dtype`` have in registers (float16 -> float32)."""
     if dtype not in DTYPES:
@@ -105,6 +111,7 @@ class Var(Expr):
     dtype: str = "int64"
 
     def __post_init__(self):
+        check_name(self.name, "variable")
         object.__setattr__(self, "dtype", compute_dtype(self.dtype))
 
 
@@ -213,6 +220,7 @@ class Param:
     size: int
 
     def __post_init__(self):
+        check_name(self.name, "buffer")
         compute_dtype(self.dtype)
         if int(self.size) < 0:
             raise CompileError(f"buffer {self.name!r} has negative size {self.size}")
@@ -274,10 +282,17 @@ class For(Stmt):
     def __post_init__(self):
         if self.kind not in FOR_KINDS:
             raise CompileError(f"loop {self.var.name!r} has unknown kind {self.kind!r}")
-        object.__setattr__(self, "lo", as_expr(self.lo))
-        object.__setattr__(self, "hi", as_expr(self.hi))
-        if not is_int(self.var.dtype) or not is_int(self.lo.dtype) or not is_int(self.hi.dtype):
-            raise CompileError(f"loop {self.var.name!r} needs integer variable and bounds")
+        vd = self.var.dtype
+        if not is_int(vd):
+            raise CompileError(f"loop {self.var.name!r} needs an integer variable, got {vd}")
+        for attr in ("lo", "hi"):
+            b = as_expr(getattr(self, attr), vd)
+            if isinstance(b, Const) and b.dtype != vd and is_int(b.dtype):
+                b = Const(b.value, vd)
+            if b.dtype != vd:
+                raise CompileError(f"loop {self.var.name!r} ({vd}) has a {attr} bound of "
+                                   f"dtype {b.dtype}: insert a Cast")
+            object.__setattr__(self, attr, b)
         if isinstance(self.body, (list, tuple)):
             object.__setattr__(self, "body", Block(tuple(self.body)))
 
@@ -308,6 +323,7 @@ class Local(Stmt):
     init: Expr
 
     def __post_init__(self):
+        check_name(self.name, "local")
         d = compute_dtype(self.dtype)
         object.__setattr__(self, "dtype", d)
         object.__setattr__(self, "init", as_expr(self.init, d))
@@ -360,6 +376,7 @@ class Alloc(Stmt):
     scope: str = "local"
 
     def __post_init__(self):
+        check_name(self.name, "Alloc")
         compute_dtype(self.dtype)
         if self.scope not in ALLOC_SCOPES:
             raise CompileError(f"Alloc {self.name!r} has unknown scope {self.scope!r}")

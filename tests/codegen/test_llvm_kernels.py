@@ -206,3 +206,15 @@ def test_pack_args_rejects_non_arrays():
     ck = compile_llvm(K.bias_gelu(1, 4))
     with pytest.raises(InputError, match="'x'"):
         ck([[0.0] * 4, np.zeros(4, np.float32), np.zeros(4, np.float32)])
+
+
+def test_int32_loop_variable(rng):
+    n = 37
+    x, o = L.Param("x", "float32", n), L.Param("o", "float32", n)
+    i = L.Var("i", "int32")
+    k = L.Kernel("i32loop", (x, o), L.For(i, 0, n, L.Store(o, i, x[i] + L.Cast("float32", i)),
+                                          "vector"))
+    a = rng.standard_normal(n).astype(np.float32)
+    out = np.empty_like(a)
+    compile_llvm(k)([a, out])
+    np.testing.assert_array_equal(out, a + np.arange(n, dtype=np.float32))

@@ -74,3 +74,17 @@ def test_format_node_prints_loops():
     text = L.format_node(softmax_rows(2, 16))
     assert text.startswith("kernel softmax(x: float32[32], o: float32[32]) parallel r extent 2")
     assert "for r in [0:int64, 2:int64) parallel:" in text
+
+
+def test_names_must_be_identifiers():
+    for build in (lambda: Var("a.b"), lambda: Param("x y", "float32", 2),
+                  lambda: L.Local("1s", "int64", 0), lambda: L.Alloc("t-1", "float32", 4)):
+        with pytest.raises(CompileError, match="identifier"):
+            build()
+
+
+def test_int32_loop_bounds_follow_the_variable():
+    loop = L.For(Var("i", "int32"), 0, 8, L.Block(()))
+    assert loop.lo == Const(0, "int32") and loop.hi.dtype == "int32"
+    with pytest.raises(CompileError, match="Cast"):
+        L.For(Var("i", "int32"), 0, Var("n"), L.Block(()))
