@@ -64,6 +64,10 @@ def test_mlp_matches_numpy(front, opt, target):
         _close(k, step.params[k], ref[k], atol=ATOL[opt])
     sd = step.state_dict()
     assert sd["step"] == STEPS and set(sd["params"]) == set(ref)
+    # one graph: loss, 4 new parameters, the new optimizer state
+    graph = step.graph_for(y, {"x": x})
+    assert len(graph.outputs) == 1 + 4 + 4 * len(step.optimizer.state_spec())
+    assert graph.inputs[0] == "x" and "labels" in graph.inputs and "optim.t" in graph.inputs
     if opt == "adam":
         assert {f"{k}.{s}" for k in ref for s in ("exp_avg", "exp_avg_sq")} == set(sd["optimizer"])
 
