@@ -527,5 +527,40 @@ def compile_llvm(k: L.Kernel) -> CompiledKernel:
         ir_text = str(mod)
         engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
         engine.finalize_object()
-        engine.run_static_constructors()
     return CompiledKernel(k, engine, ir_text)
+
+
+def emit_object(k: L.Kernel) -> bytes:
+    """Render and optimise kernel ``k`` and return host object code (for a disk cache).
+
+    The object is only valid on a machine with the same CPU name and features
+    (:func:`host_signature`), which a cache key must therefore include.
+    """
+    h = host()
+    text = LLVMPrinter().render(k, h.cpu_attrs)
+    with _compile_lock:
+        mod = optimize_ir(text)
+        mod.triple = h.triple
+        return h.target_machine().emit_object(mod)
+
+
+def load_object(k: L.Kernel, data: bytes) -> CompiledKernel:
+    """Load object code from :func:`emit_object` for kernel ``k`` without recompiling.
+
+    Returns a CompiledKernel whose ``ir`` is empty; raises CompileError if the object does
+    not define ``k.name``.
+    """
+    h = host()
+    with _compile_lock:
+        empty = h.llvm.parse_assembly("")
+        empty.triple = h.triple
+        engine = h.llvm.create_mcjit_compiler(empty, h.target_machine())
+        engine.add_object_file(h.llvm.ObjectFileRef.from_data(data))
+        engine.finalize_object()
+    return CompiledKernel(k, engine, "")
+
+
+def host_signature() -> str:
+    """Return ``triple/cpu/features`` of this process's code generation target."""
+    h = host()
+    return f"{h.triple}/{h.cpu}/{h.features}"

@@ -218,3 +218,26 @@ def test_int32_loop_variable(rng):
     out = np.empty_like(a)
     compile_llvm(k)([a, out])
     np.testing.assert_array_equal(out, a + np.arange(n, dtype=np.float32))
+
+
+def test_object_code_round_trip(rng):
+    from apollo_py.codegen.llvm import emit_object, host_signature, load_object
+    k = K.softmax_rows(6, 128)
+    data = emit_object(k)
+    assert isinstance(data, bytes) and len(data) > 100
+    ck = load_object(k, data)
+    x = rng.standard_normal(6 * 128).astype(np.float32)
+    o = np.empty_like(x)
+    ck([x, o])
+    np.testing.assert_allclose(o, K.ref_softmax(x, 6, 128), rtol=2e-6, atol=1e-9)
+    assert host_signature().count("/") >= 2
+
+
+def test_object_code_with_libm_calls(rng):
+    from apollo_py.codegen.llvm import emit_object, load_object
+    k = K.float64_kernel(100)
+    ck = load_object(k, emit_object(k))
+    x = rng.standard_normal(100)
+    o = np.empty(600)
+    ck([x, o])
+    np.testing.assert_allclose(o, K.ref_float64(x), rtol=1e-12, atol=1e-15)
