@@ -99,6 +99,7 @@ def _to_band_space(prog: PolyProgram, band_t: str) -> dict[str, isl.Map]:
     """Statement name -> relation from its instances to the band-tensor elements they feed."""
     rel: dict[str, isl.Map] = {}
     stmts = prog.statements
+    side = _side_output_maps(prog, band_t)
     for k in reversed(range(len(stmts))):
         s = stmts[k]
         w = _ctxd(s.write, prog)
@@ -112,10 +113,37 @@ def _to_band_space(prog: PolyProgram, band_t: str) -> dict[str, isl.Map]:
                 acc = part if acc is None else acc.union(part)
         if t == band_t:
             acc = w if acc is None else acc.union(w)
+        elif t in side:
+            part = w.apply_range(side[t])
+            acc = part if acc is None else acc.union(part)
         if acc is None:
             raise NotOneGroup(f"statement {s.name} ({s.node.op}) does not feed the final output")
         rel[s.name] = acc.coalesce()
     return rel
+
+
+def _side_output_maps(prog: PolyProgram, band_t: str) -> dict[str, isl.Map]:
+    """For each other micro-graph output U: U[u...] -> O[o...] matching the leading dims of
+    equal size (a side output such as the row sums next to the normalised rows), O's other
+    dims ranging over O.  Legality is checked later, so this only proposes an alignment."""
+    names = prog.tensor_values
+    oshape = prog.types[names[band_t]].shape
+    out = {}
+    for v in prog.outputs:
+        t = prog.tensors[v]
+        if t == band_t:
+            continue
+        ushape = prog.types[v].shape
+        m = 0
+        while m < min(len(ushape), len(oshape)) and ushape[m] == oshape[m]:
+            m += 1
+        u = [f"u{k}" for k in range(len(ushape))]
+        o = [f"o{k}" for k in range(len(oshape))]
+        cons = [f"o{k} = u{k}" for k in range(m)] + \
+            [f"0 <= o{k} < {oshape[k]}" for k in range(m, len(oshape))]
+        text = f"{{ {t}[{', '.join(u)}] -> {band_t}[{', '.join(o)}] : {' and '.join(cons) or 'true'} }}"
+        out[t] = isl.Map(text, context=prog.ctx).align_params(prog.context.get_space())
+    return out
 
 
 def _single_valued_dims(m: isl.Map) -> list[int]:
@@ -140,9 +168,15 @@ def build_fused_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Sche
     band_t = _band_tensor(prog)
     rel = _to_band_space(prog, band_t)
     stmts = prog.statements
+    outs = {prog.tensors[v] for v in prog.outputs}
+    live = {}
     for s in stmts:
-        if not _ctxd(s.domain, prog).is_subset(rel[s.name].domain()):
-            raise NotOneGroup(f"statement {s.name} has instances that feed no output")
+        if _ctxd(s.domain, prog).is_subset(rel[s.name].domain()):
+            live[s.name] = s.domain
+        elif s.write.get_tuple_name(isl.dim_type.out) in outs:
+            raise NotOneGroup(f"statement {s.name} computes output elements of no final output")
+        else:   # dead instances (e.g. rows a strided window never reads): not executed
+            live[s.name] = s.domain.intersect(rel[s.name].domain().gist_params(prog.context))
     rank = rel[stmts[-1].name].dim(isl.dim_type.out)
     band_dims = [d for d in range(rank)
                  if all(d in _single_valued_dims(rel[s.name]) for s in stmts)]
@@ -204,7 +238,10 @@ def build_fused_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Sche
     if not band_dims and sum(1 for g in groups if resid[g[0].name]) > 1:
         raise NotOneGroup("no shared parallel band and several loop nests")
 
-    tree = _tree_text(prog, band_dims, bmap, groups, resid, inner_map)
+    dom = isl.UnionSet.empty(prog.context.get_space())
+    for s in stmts:
+        dom = dom.union(isl.UnionSet.from_set(live[s.name]))
+    tree = _tree_text(prog, dom, band_dims, bmap, groups, resid, inner_map)
     sched = isl.Schedule(tree, context=prog.ctx)
     if not check_legal(sched, deps, prog):
         raise NotOneGroup("the directly built fused schedule violates a dependence")
@@ -221,7 +258,7 @@ def _ser(x) -> str:
     return str(x)
 
 
-def _tree_text(prog, band_dims, bmap, groups, resid, inner_map) -> str:
+def _tree_text(prog, domain, band_dims, bmap, groups, resid, inner_map) -> str:
     """YAML-like text of the fused tree: band (optional) -> sequence of groups."""
     def mupa(maps) -> str:
         u = isl.UnionMap.empty(prog.context.get_space())
@@ -249,13 +286,14 @@ def _tree_text(prog, band_dims, bmap, groups, resid, inner_map) -> str:
     if band_dims:
         body = {"schedule": mupa(bmap[s.name] for s in prog.statements), "permutable": 1,
                 "coincident": [1] * len(band_dims), "child": body}
-    return _ser({"domain": str(prog.domain()), "child": body})
+    return _ser({"domain": str(domain), "child": body})
 
 
 def check_legal(sched: isl.Schedule, deps: Dependences, prog: PolyProgram) -> bool:
     """True if every validity dependence goes forward in ``sched``'s order."""
     m = _ctxd(sched.get_map(), prog)
-    validity = _ctxd(deps.validity, prog)
+    dom = sched.get_domain()
+    validity = _ctxd(deps.validity.intersect_domain(dom).intersect_range(dom), prog)
     return validity.is_subset(m.lex_lt_union_map(m))
 
 
@@ -289,7 +327,7 @@ def _one_group(sched: isl.Schedule, prog: PolyProgram):
     node = sched.get_root().child(0)
     if node.get_type() != isl.schedule_node_type.band:
         return None
-    part = _ctxd(node.band_get_partial_schedule_union_map(), prog)
+    part = _ctxd(node.band_get_partial_schedule_union_map().intersect_domain(prog.domain()), prog)
     rng = isl.Set.from_union_set(part.range()) if not part.is_empty() else None
     if rng is None:
         return None
