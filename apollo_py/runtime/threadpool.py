@@ -3,9 +3,9 @@
 Kernels follow the CPU ABI ``void f(void **args, int64 lo, int64 hi)``; ctypes releases the
 GIL for the duration of each call, so plain Python threads run chunks truly in parallel.
 Workers are started once and wait on a queue; each :meth:`ThreadPool.run` splits
-``[0, extent)`` into at most ``num_threads`` contiguous chunks, hands ``n - 1`` of them to the
-workers and runs one itself (chunks are claimed dynamically, so a slow worker never holds
-the caller up while chunks remain).  Several Python threads may call ``run`` at once: each
+``[0, extent)`` into contiguous chunks (a few per thread), wakes up to ``num_threads - 1``
+workers and works on the chunks itself too; chunks are claimed dynamically, so a worker
+slowed down by other load takes fewer of them.  Several Python threads may call ``run`` at once: each
 call has its own job object, and a caller always makes progress on its own job.
 """
 from __future__ import annotations
@@ -57,13 +57,17 @@ class ThreadPool:
 
     ``num_threads`` is the total parallelism including the calling thread (default
     ``os.cpu_count()``); ``num_threads - 1`` daemon workers are started on construction.
+    Each run is cut into up to ``chunks_per_thread * num_threads`` chunks that threads claim
+    one at a time, so a thread slowed down by other processes on the machine takes fewer.
     """
 
-    def __init__(self, num_threads: Optional[int] = None):
+    def __init__(self, num_threads: Optional[int] = None, chunks_per_thread: int = 4):
         n = int(num_threads or os.cpu_count() or 1)
-        if n < 1:
-            raise CompileError(f"ThreadPool needs at least one thread, got {num_threads}")
+        if n < 1 or chunks_per_thread < 1:
+            raise CompileError(f"ThreadPool needs num_threads >= 1 and chunks_per_thread >= 1, "
+                               f"got {num_threads}, {chunks_per_thread}")
         self.num_threads = n
+        self.chunks_per_thread = int(chunks_per_thread)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._workers = []
         self._closed = False
@@ -107,12 +111,12 @@ class ThreadPool:
             extent = kernel.parallel_extent or 0
         extent = int(extent)
         ptrs = kernel.pack_args(arrays)
-        parts = min(self.num_threads, extent // max(1, int(min_chunk)))
-        if parts <= 1 or kernel.parallel_extent is None:
+        parts = min(self.num_threads * self.chunks_per_thread, extent // max(1, int(min_chunk)))
+        if parts <= 1 or self.num_threads == 1 or kernel.parallel_extent is None:
             kernel.cfunc(ptrs, 0, extent)
             return
         job = _Job(kernel.cfunc, ptrs, self.split(extent, parts))
-        for _ in range(parts - 1):
+        for _ in range(min(parts, self.num_threads) - 1):
             self._queue.put(job)
         job.work()
         job.done.wait()

@@ -26,7 +26,7 @@ def test_identical_to_single_thread(softmax, threads, rng):
     x = (rng.standard_normal(301 * 128) * 4).astype(np.float32)
     ref = np.empty_like(x)
     softmax([x, ref])
-    with ThreadPool(threads) as pool:
+    with ThreadPool(threads, chunks_per_thread=1 + threads % 3) as pool:
         for _ in range(3):
             out = np.empty_like(x)
             pool.run(softmax, [x, out])
