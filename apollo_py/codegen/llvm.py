@@ -12,15 +12,17 @@ Choices that matter for speed (DESIGN.md section 8, measured):
 * float ops carry ``nsz arcp contract`` -- sign of zero, reciprocal and FMA contraction may
   change the last bits.  ``afn`` is not set, and rsqrt's divide has no ``arcp`` (with both,
   1/sqrt(x) compiled to the rsqrt estimate, which gave nan at 0 and inf in the tests).
-  ``nnan``/``ninf`` are never set because
-  kernels must propagate inf/nan like numpy, and ``reassoc`` is never set: reductions are
-  written with explicit lane accumulators (templates.py), so their order is fixed by the IR.
+  ``nnan``/``ninf`` are never set because kernels must propagate inf/nan like numpy, and
+  ``reassoc`` is never set: reductions are written with explicit lane accumulators
+  (templates.py), so their order is fixed by the IR.
 * ``vector`` loops carry ``llvm.loop.vectorize.enable`` and ``llvm.loop.unroll.disable``
   (see :meth:`LLVMPrinter.loop_metadata`); ``unroll`` loops ``llvm.loop.unroll.full``.
 * float32 exp/log/tanh/erf/sigmoid/pow are polynomial helpers (llvm_math.py) that inline and
   vectorise; float64 uses LLVM intrinsics / libm (correct first, scalar).
 * O3 through the new pass manager with loop and SLP vectorisation, target machine for the
-  host CPU and features, ``prefer-vector-width=512`` when AVX-512 is present.
+  host CPU and features, ``prefer-vector-width=512`` when AVX-512 is present (measured on
+  the Rocket Lake dev box, one thread: softmax [32768,128] 2.5 ms vs 4.4 ms with LLVM's
+  default 256-bit preference; bias+GELU [1024,3072] 2.3 ms vs 7.3 ms).
 
 llvmlite is imported lazily so that importing apollo_py stays fast.
 """
