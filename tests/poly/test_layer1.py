@@ -20,9 +20,10 @@ def _fuse(g, **kw):
     return fuse_micro_graph(list(g.nodes), g.types, list(g.inputs), list(g.outputs), opts)
 
 
-def _run(g, kernels, seed=0, chunks=None):
+def _run(g, kernels, seed=0, chunks=None, feeds=None):
     rng = np.random.default_rng(seed)
     env = {v: rng.standard_normal(g.types[v].shape).astype(g.types[v].np_dtype) for v in g.inputs}
+    env.update({v: np.asarray(a, g.types[v].np_dtype) for v, a in (feeds or {}).items()})
     ref = evaluate(g, dict(env))
     for n in g.nodes:
         if n.op == "constant":
@@ -81,7 +82,7 @@ def test_layernorm_one_kernel(tmp_path):
     loops = _fors(k.loop.body)
     assert len(loops) == 1 and len(loops[0][1]) == 3
     assert all(a.size <= 64 for a in _allocs(k))
-    _run(g, [k])
+    _run(g, [k], feeds={"inv_n": 1 / 64, "eps": 1e-5})
 
 
 def test_listing1_bias_maxpool_one_kernel_no_full_intermediate(tmp_path):
