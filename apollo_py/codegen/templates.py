@@ -148,3 +148,33 @@ def reduce_kernel(name: str, form: str, op: str, params, out: L.Param, shape,
         L.For(j, 0, wv, store(p0 + j, acc[j]), "vector"),
     ))
     return L.Kernel(name, params, L.For(tv, 0, ntiles, body, "parallel"), "tile", ntiles)
+
+
+def split_all_reduce(name: str, op: str, params, out: L.Param, r_extent: int,
+                     element: Callable[[L.Expr], L.Expr], parts: int = 64,
+                     dtype: Optional[str] = None, lanes: int = 16):
+    """An all-reduce ``[R]`` as two kernels, so that the first runs on every core.
+
+    Kernel 1 (``<name>_partial``, parallel over ``parts``) reduces ``element(r)`` over the
+    contiguous slice ``[k * chunk, min(R, (k + 1) * chunk))`` into ``partials[k]``; kernel 2
+    (``<name>_final``, serial) reduces ``partials[0 .. parts-1]`` into ``out[0]``.  The
+    partition depends only on ``parts``, never on the thread count, so results are
+    reproducible.  ``params`` are kernel 1's inputs (without ``out``); returns
+    ``(kernel1, kernel2, partials_param)`` -- the caller allocates ``partials``
+    (``parts`` elements of the accumulator dtype) and calls kernel 1 with
+    ``[*inputs, partials]`` and kernel 2 with ``[partials, out]``.
+    """
+    dtype = dtype or L.compute_dtype(out.dtype)
+    parts = max(1, min(int(parts), int(r_extent) or 1))
+    chunk = -(-int(r_extent) // parts)
+    partials = L.Param(f"{name}_partials", dtype, parts)
+    k = L.Var("k")
+    lo = k * chunk
+    hi = L.minimum(L.Const(int(r_extent)), lo + chunk)
+    stmts, acc = lane_reduce("acc", op, dtype, lo, hi, element, lanes)
+    first = L.Kernel(f"{name}_partial", (*params, partials),
+                     L.For(k, 0, parts, L.Block((*stmts, L.Store(partials, k, acc))), "parallel"),
+                     "k", parts)
+    second = reduce_kernel(f"{name}_final", "all", op, (partials, out), out, (parts,),
+                           lambda p, r: partials[r], dtype=dtype, lanes=lanes)
+    return first, second, partials

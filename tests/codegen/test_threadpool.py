@@ -78,3 +78,23 @@ def test_run_after_close_raises(softmax):
     pool.close()
     with pytest.raises(Exception):
         pool.run(softmax, [np.zeros(301 * 128, np.float32)] * 2)
+
+
+def test_split_all_reduce_is_parallel_and_reproducible(rng):
+    from apollo_py.codegen import loopir as L
+    from apollo_py.codegen.templates import split_all_reduce
+    n = 100_003
+    x, out = L.Param("x", "float32", n), L.Param("out", "float32", 1)
+    k1, k2, partials = split_all_reduce("total", "sum", (x,), out, n, lambda r: x[r], parts=8)
+    c1, c2 = compile_llvm(k1), compile_llvm(k2)
+    data = rng.standard_normal(n).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3):
+        part = np.empty(8, np.float32)
+        res = np.empty(1, np.float32)
+        with ThreadPool(threads) as pool:
+            pool.run(c1, [data, part])
+        c2([part, res])
+        results.append(res[0])
+    assert results[0] == results[1] == results[2]
+    np.testing.assert_allclose(results[0], data.astype(np.float64).sum(), rtol=1e-5, atol=1e-3)
