@@ -100,6 +100,9 @@ OPS = [
 backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
 for _op in OPS:
     backend_test.include(rf"^test_{_op}(_.*)?_cpu$")
+# small models exported from PyTorch that ship with onnx (pytorch-operator, pytorch-converted)
+backend_test.include(r"^test_operator_.*_cpu$")
+backend_test.include(r"^test_[A-Z].*_cpu$")
 
 # pattern -> why it cannot pass
 EXCLUDE = {
@@ -117,6 +120,8 @@ EXCLUDE = {
     r"^test_maxpool_with_argmax_": "MaxPool's Indices output is not supported",
     r"^test_range_.*_expanded_": "the expansion of Range uses Loop (control flow)",
     r"^test_training_dropout": "training-mode Dropout draws random masks",
+    r"ConvTranspose|convtranspose": "ConvTranspose is not converted (no transposed-conv primitive)",
+    r"^test_PReLU_\dd_multiparam_": "opset-6 PRelu (1-D per-channel slope); supported opsets are 9-22",
 }
 
 
