@@ -115,3 +115,21 @@ def test_float16_storage_agrees(rng):
         pytest.skip(f"C compiler without _Float16: {exc}")
     np.testing.assert_allclose(c_out[2].astype(np.float32), l_out[2].astype(np.float32),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("build,arrays", [
+    (lambda: K.softmax_rows(5, 128),
+     lambda r: [r.standard_normal(640).astype(np.float32), np.empty(640, np.float32)]),
+    (lambda: K.reduce_form("y", "max", 19, 133),
+     lambda r: [r.standard_normal(19 * 133).astype(np.float32), np.empty(19, np.float32)]),
+    (lambda: K.reduce_form("x", "sum", 7, 45),
+     lambda r: [r.standard_normal(7 * 45).astype(np.float32), np.empty(7, np.float32)]),
+])
+def test_ubsan_clean(build, arrays, rng):
+    # UBSan with bounds checks on the Alloc tiles; any report aborts the process
+    flags = ("-O1", "-fsanitize=undefined,bounds", "-fno-sanitize-recover=all")
+    try:
+        ck = compile_c(build(), flags=flags)
+    except CompileError as exc:
+        pytest.skip(f"C compiler without UBSan: {exc}")
+    ck(arrays(rng))
