@@ -7,7 +7,8 @@ Each variant runs ``warmup`` steps, then the median of ``rounds`` timed steps is
 two variants alternate, so background load on a shared machine hits both alike).
 The floor is the step's matmul FLOPs (forward 2 products, backward 3: dW2, da, dW1; the input
 gradient is not needed) divided by the measured numpy sgemm rate on a product of the step's
-own largest shape (B x 784 x 1024, best of 15) — no implementation does that arithmetic faster than BLAS.
+own largest shape (B x 784 x 1024, best of 15) — no implementation does that arithmetic faster
+than BLAS.
 
 On a shared machine, multi-threaded OpenBLAS degrades badly when other processes hold the cores
 (spinning threads); ``OPENBLAS_NUM_THREADS=1`` gives stable single-core figures.
@@ -102,7 +103,8 @@ def main(argv=None):
     print(f"  apollo_py target={args.target!r}: {t_ap * 1e3:8.2f} ms/step")
     print(f"  plain numpy step:            {t_np * 1e3:8.2f} ms/step")
     print(f"  ratio apollo/numpy:          {t_ap / t_np:8.2f}x")
-    print(f"  step matmul work: {flops / 1e9:.3f} GFLOP; numpy sgemm ({args.batch}x{D}x{H}): {rate:.1f} GFLOP/s")
+    print(f"  step matmul work: {flops / 1e9:.3f} GFLOP; "
+          f"numpy sgemm ({args.batch}x{D}x{H}): {rate:.1f} GFLOP/s")
     print(f"  roofline floor:              {floor * 1e3:8.2f} ms/step "
           f"(apollo at {floor / t_ap * 100:.0f}% of it, numpy at {floor / t_np * 100:.0f}%)")
 

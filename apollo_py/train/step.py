@@ -109,8 +109,8 @@ def build_train_graph(forward: Graph, params: Sequence[str], loss: str, optimize
     """The training graph of a forward graph whose inputs include ``params``.
 
     Inputs: forward inputs, ``labels``, optimizer state ``<param>.<slot>`` per parameter,
-    ``optim.t`` (float64, shape (1,)).  Outputs: loss, new parameters (in ``params`` order), new state (same order as
-    the state inputs).  Returns (graph, state input names).
+    ``optim.t`` (float64, shape (1,)).  Outputs: loss, new parameters (in ``params`` order),
+    new state (same order as the state inputs).  Returns (graph, state input names).
     """
     if loss not in LOSSES:
         raise InputError(f"train_step: unknown loss {loss!r}; choose one of {sorted(LOSSES)}")

@@ -29,7 +29,8 @@ def _close(name, got, want, rtol=1e-4, atol=1e-6, max_rel_l2=1e-5):
     err = np.abs(got - want)
     rel_l2 = np.linalg.norm(err) / (np.linalg.norm(want) + 1e-30)
     assert np.allclose(got, want, rtol=rtol, atol=atol) and rel_l2 <= max_rel_l2, \
-        f"{name}: max abs err {err.max():.3g}, rel l2 {rel_l2:.3g}, rel linf {err.max() / np.abs(want).max():.3g}"
+        f"{name}: max abs err {err.max():.3g}, rel l2 {rel_l2:.3g}, " \
+        f"rel linf {err.max() / np.abs(want).max():.3g}"
 
 
 OPTIMIZERS = {
@@ -102,7 +103,8 @@ def test_mlp_gemm_onnx_and_export_roundtrip(tmp_path):
 def test_weight_decay_variants_match_numpy(opt):
     w0 = mlp_weights(sizes=(12, 8, 3), seed=5)
     ours, theirs = {
-        "adamw": (ap.optim.AdamW(lr=1e-2, weight_decay=0.1), NumpyAdam(1e-2, weight_decay=0.1, decoupled=True)),
+        "adamw": (ap.optim.AdamW(lr=1e-2, weight_decay=0.1),
+                  NumpyAdam(1e-2, weight_decay=0.1, decoupled=True)),
         "sgd_wd": (ap.optim.SGD(lr=0.1, momentum=0.5, weight_decay=0.01),
                    NumpySGD(0.1, momentum=0.5, weight_decay=0.01)),
         "adam_wd": (ap.optim.Adam(lr=1e-2, weight_decay=0.05), NumpyAdam(1e-2, weight_decay=0.05)),
