@@ -397,18 +397,183 @@ def _has(s, cls) -> bool:
 
 
 def to_loop_ir(prog: PolyProgram, schedule: isl.Schedule, storage: Mapping[str, Storage], name: str,
-               parallel: bool = True, consts=None, param_order=None) -> L.Kernel:
+               parallel: bool = True, consts=None, param_order=None, lanes: int = 16) -> L.Kernel:
     """Generate the AST of ``schedule`` and convert it into a loop-IR Kernel called ``name``.
 
     Params are the micro-graph inputs then outputs (or ``param_order``), minus inlined
-    single-element constants ``consts`` (value -> number).
+    single-element constants ``consts`` (value -> number).  Innermost loops that fold into
+    scalars get ``lanes`` partial accumulators (:func:`lane_reductions`; ``lanes=1`` keeps the
+    sequential order).
     """
     build = isl.AstBuild.from_context(prog.context)
     ast = build.node_from_schedule(schedule)
     em = Emitter(prog, storage, consts, param_order)
     body = em.node(ast)
+    lane_allocs = []
+    if lanes > 1:
+        body, lane_allocs = lane_reductions(body, {l.name for l in em.locals_.values()}, lanes)
     body, pvar, pext = mark_loops(body, parallel)
-    decls = [em.locals_[v] for v in em.locals_] + [em.tiles[v] for v in em.tiles]
+    decls = [em.locals_[v] for v in em.locals_] + [em.tiles[v] for v in em.tiles] + lane_allocs
     kernel = L.Kernel(name, tuple(em.params.values()), L.block(*decls, body), pvar, pext)
     L.verify_kernel(kernel)
     return kernel
+
+
+# ----------------------------------------------------------------------------- lane reductions
+
+def subst(node, name: str, rep: L.Expr):
+    """``node`` (expression or statement) with the variable ``name`` replaced by ``rep``."""
+    if isinstance(node, L.Var):
+        return rep if node.name == name else node
+    if isinstance(node, L.Const):
+        return node
+    if isinstance(node, L.Bin):
+        return L.Bin(node.op, subst(node.a, name, rep), subst(node.b, name, rep))
+    if isinstance(node, L.Un):
+        return L.Un(node.op, subst(node.a, name, rep))
+    if isinstance(node, L.Select):
+        return L.Select(subst(node.cond, name, rep), subst(node.a, name, rep), subst(node.b, name, rep))
+    if isinstance(node, L.Cast):
+        return L.Cast(node.dtype_, subst(node.a, name, rep))
+    if isinstance(node, L.Load):
+        return L.Load(node.buf, subst(node.index, name, rep))
+    if isinstance(node, L.Store):
+        return L.Store(node.buf, subst(node.index, name, rep), subst(node.value, name, rep))
+    if isinstance(node, L.Assign):
+        return L.Assign(node.name, subst(node.value, name, rep))
+    if isinstance(node, L.Block):
+        return L.Block(tuple(subst(s, name, rep) for s in node.stmts))
+    if isinstance(node, L.If):
+        return L.If(subst(node.cond, name, rep), subst(node.then, name, rep),
+                    None if node.else_ is None else subst(node.else_, name, rep))
+    if isinstance(node, L.For):
+        return L.For(node.var, subst(node.lo, name, rep), subst(node.hi, name, rep),
+                     node.body if node.var.name == name else subst(node.body, name, rep), node.kind)
+    if isinstance(node, L.Local):
+        return L.Local(node.name, node.dtype, subst(node.init, name, rep))
+    return node
+
+
+def _vars(e) -> set:
+    if isinstance(e, L.Var):
+        return {e.name}
+    out = set()
+    for f in ("a", "b", "cond", "index", "value"):
+        x = getattr(e, f, None)
+        if isinstance(x, L.Expr):
+            out |= _vars(x)
+    return out
+
+
+_LANE_OPS = {"add": "sum", "mul": "prod", "max": "max", "min": "min"}
+
+
+def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
+    """Rewrite innermost loops that fold into scalar Locals (``s = s op e``) with ``lanes``
+    partial accumulators, so that LLVM vectorises them without ``reassoc``.
+
+    Lane ``l`` folds the iterations ``lo + l, lo + l + lanes, ...`` of the full blocks in order,
+    the tail iterations go to lanes ``0..``, then the lanes are folded left to right into the
+    scalar (the order of ``codegen.templates.lane_reduce``).  Returns ``(stmt, allocs)``;
+    the lane buffers ``allocs`` must be declared at the top of the kernel.
+    """
+    allocs: list = []
+    counter = [0]
+
+    def visit(s):
+        if isinstance(s, L.Block):
+            return L.Block(tuple(visit(x) for x in s.stmts))
+        if isinstance(s, L.If):
+            return L.If(s.cond, visit(s.then), None if s.else_ is None else visit(s.else_))
+        if isinstance(s, L.For):
+            if _has(s.body, L.For):
+                return L.For(s.var, s.lo, s.hi, visit(s.body), s.kind)
+            return rewrite(s)
+        return s
+
+    def rewrite(f: L.For):
+        if f.kind != "serial" or not (isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const)) \
+                or f.hi.value - f.lo.value < 2 * lanes:
+            return f
+        body = list(f.body.stmts) if isinstance(f.body, L.Block) else [f.body]
+        if not all(isinstance(x, (L.Assign, L.Store)) for x in body):
+            return f
+        reds, assigned = {}, set()
+        for x in body:
+            if isinstance(x, L.Assign):
+                v = x.value
+                if isinstance(v, L.Bin) and v.op in _LANE_OPS and isinstance(v.a, L.Var) \
+                        and v.a.name == x.name and x.name not in _vars(v.b):
+                    if x.name in reds or x.name in assigned:
+                        return f
+                    reds[x.name] = (v.op, v.a.dtype)
+                    continue
+            used = _vars(x.value) | (_vars(x.index) if isinstance(x, L.Store) else set())
+            if used & set(reds):
+                return f                      # a partial sum read inside the loop
+            if any(u in locals_ and u not in assigned for u in used if u != f.var.name) \
+                    and any(u in reds for u in used):
+                return f
+            if isinstance(x, L.Assign):
+                if x.name in reds:
+                    return f
+                assigned.add(x.name)
+        # a private scalar must be written before it is read in the same iteration
+        seen = set()
+        for x in body:
+            used = _vars(x.value) | (_vars(x.index) if isinstance(x, L.Store) else set())
+            if isinstance(x, L.Assign) and x.name in reds:
+                used = _vars(x.value.b)
+            if any(u in assigned and u not in seen for u in used):
+                return f
+            if isinstance(x, L.Assign):
+                seen.add(x.name)
+        if not reds:
+            return f
+        counter[0] += 1
+        tag = f"{f.var.name}_{counter[0]}"
+        bufs = {}
+        for name, (op, dt) in reds.items():
+            a = L.Alloc(f"lanes_{name}_{counter[0]}", dt, lanes)
+            allocs.append(a)
+            bufs[name] = a
+        lane = L.Var(f"l_{tag}")
+        blk = L.Var(f"b_{tag}")
+        tail = L.Var(f"t_{tag}")
+        lo, hi = f.lo.value, f.hi.value
+        nfull = (hi - lo) // lanes
+        base = lo + nfull * lanes
+
+        def lane_body(idx: L.Expr, slot: L.Expr):
+            out = []
+            for x in body:
+                if isinstance(x, L.Assign) and x.name in reds:
+                    op = x.value.op
+                    a = bufs[x.name]
+                    e = subst(x.value.b, f.var.name, idx)
+                    out.append(L.Store(a, slot, L.Bin(op, L.Load(a, slot), e)))
+                else:
+                    out.append(subst(x, f.var.name, idx))
+            return L.Block(tuple(out))
+
+        stmts = []
+        for name, (op, dt) in reds.items():
+            a = bufs[name]
+            ident = L.as_expr(identity_value(_LANE_OPS[op], dt), dt)
+            stmts.append(L.For(lane, L.Const(0), L.Const(lanes),
+                               L.Store(a, lane, L.Select(L.eq(lane, 0), L.Var(name, dt), ident)),
+                               "unroll"))
+        stmts.append(L.For(blk, L.Const(0), L.Const(nfull), L.Block((
+            L.For(lane, L.Const(0), L.Const(lanes),
+                  lane_body(L.Const(lo) + blk * lanes + lane, lane), "vector"),)), "serial"))
+        if base < hi:
+            stmts.append(L.For(tail, L.Const(base), L.Const(hi),
+                               lane_body(tail, tail - base), "serial"))
+        for name, (op, dt) in reds.items():
+            a = bufs[name]
+            stmts.append(L.Assign(name, L.Load(a, L.Const(0))))
+            stmts.append(L.For(lane, L.Const(1), L.Const(lanes),
+                               L.Assign(name, L.Bin(op, L.Var(name, dt), L.Load(a, lane))), "unroll"))
+        return L.Block(tuple(stmts))
+
+    return visit(stmt), allocs
