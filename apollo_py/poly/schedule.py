@@ -324,14 +324,23 @@ def isl_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Schedule, in
 
 
 def _one_group(sched: isl.Schedule, prog: PolyProgram):
+    """(members, extents) of the outer band if it is one fusion group, else None.
+
+    One group = an outer band over all statements whose leading members are coincident
+    (no dependence crosses their iterations: the statements really share those loops; a
+    band that only shifts one nest after the other is sequential in its first member)."""
     node = sched.get_root().child(0)
     if node.get_type() != isl.schedule_node_type.band:
         return None
-    part = _ctxd(node.band_get_partial_schedule_union_map().intersect_domain(prog.domain()), prog)
-    rng = isl.Set.from_union_set(part.range()) if not part.is_empty() else None
-    if rng is None:
+    n = 0
+    while n < node.band_n_member() and node.band_member_get_coincident(n):
+        n += 1
+    if n == 0:
         return None
-    n = node.band_n_member()
+    part = _ctxd(node.band_get_partial_schedule_union_map().intersect_domain(prog.domain()), prog)
+    if part.is_empty():
+        return None
+    rng = isl.Set.from_union_set(part.range())
     extents = tuple(_extent(rng, d) for d in range(n))
     if not any(e > 1 for e in extents):
         return None
@@ -349,6 +358,8 @@ def tile_outer_band(sched: isl.Schedule, band: int, sizes) -> isl.Schedule:
     if node.get_type() != isl.schedule_node_type.band:
         return sched
     n = node.band_n_member()
+    if n > 1 and not node.band_get_permutable():
+        return sched          # tiling a non-permutable band would be illegal
     vals = [int(s) if s else 0 for s in list(sizes)[:n]] + [0] * max(0, n - len(sizes))
     if not any(vals):
         return sched

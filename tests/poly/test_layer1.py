@@ -202,3 +202,44 @@ def test_lane_reductions_with_tails(tmp_path, rows, cols):
     g = graphs.layernorm(rows, cols)
     (k,) = _fuse(g, cache_dir=str(tmp_path))
     _run(g, [k], feeds={"inv_n": 1 / cols, "eps": 1e-5})
+
+
+def _allreduce_then_sub():
+    b = GraphBuilder("center")
+    x = b.input("x", [6, 10])
+    s = b.reduce_sum(x, axes=(0, 1), keepdims=True)
+    return b.build([b.sub(x, s)])
+
+
+def test_multiple_fusion_groups_event_and_split(tmp_path):
+    opts = Options(cache_dir=str(tmp_path))
+    g = _allreduce_then_sub()
+    ks = _fuse(g, options=opts)
+    assert len(ks) == 2
+    (e,) = read_events(default_log_path(opts), "multiple_fusion_groups")
+    assert e["detail"]["ops"] == ["reduce_sum", "sub"]
+    _run(g, ks)
+
+
+@pytest.mark.parametrize("make", [lambda: graphs.softmax(8, 40), lambda: graphs.bias_reduce13(3, 4, 5, 6),
+                                  lambda: graphs.bias_maxpool(1, 2, 8, 8)])
+def test_isl_scheduler_fallback_end_to_end(tmp_path, monkeypatch, make):
+    """With the direct construction disabled, isl's scheduler gives the kernels (if one group)."""
+    import apollo_py.poly.schedule as S
+
+    def refuse(prog, deps):
+        raise S.NotOneGroup("disabled for the test")
+    monkeypatch.setattr(S, "build_fused_schedule", refuse)
+    g = make()
+    ks = _fuse(g, cache_dir=str(tmp_path))
+    assert ks and ks[0].strategy == "isl"
+    _run(g, ks)
+
+
+def test_micro_graph_entry_point(tmp_path):
+    mg_mod = pytest.importorskip("apollo_py.partition.micrograph")
+    g = graphs.softmax(4, 16)
+    mg = mg_mod.MicroGraph.build(g, list(g.nodes), ["reduction"] * 5, "reduction", [], 0)
+    (k,) = fuse_micro_graph(mg, g.types, options=Options(cache_dir=str(tmp_path)))
+    assert k.micro_graphs == (mg,) and k.outputs == tuple(g.outputs)
+    _run(g, [k])
