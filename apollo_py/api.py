@@ -81,7 +81,7 @@ class CompiledGraph:
                 raise InputError(f"input {name!r} has shape {tuple(arr.shape)}, pinned to {want}")
             if not spec.matches(tuple(arr.shape)):
                 raise InputError(f"input {name!r} has shape {tuple(arr.shape)}, expected {spec.describe()}")
-            out[name] = np.ascontiguousarray(arr)
+            out[name] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)  # keeps rank 0
         return out
 
     def specialization(self, shapes: Mapping[str, tuple]):

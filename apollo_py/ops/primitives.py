@@ -93,7 +93,7 @@ _erf = np.frompyfunc(math.erf, 1, 1)
 
 
 def _erf_ref(x):
-    return _erf(x.astype(np.float64)).astype(x.dtype)
+    return np.asarray(_erf(x.astype(np.float64)), dtype=np.float64).astype(x.dtype)
 
 
 def _sigmoid(x):
