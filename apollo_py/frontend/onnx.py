@@ -179,7 +179,8 @@ def _resolve_external_data(proto, base_dir: str | None):
 
 
 def _attr_value(attr):
-    from onnx import helper, numpy_helper
+    """Python value of an AttributeProto (tensors as numpy arrays, strings decoded)."""
+    from onnx import helper
 
     v = helper.get_attribute_value(attr)
     if isinstance(v, bytes):
@@ -201,7 +202,8 @@ def _tensor_array(t, what: str):
         raise ModelLoadError(f"{what}: cannot decode tensor {t.name!r}: {e}") from None
 
 
-def _input_spec(vi, initializers) -> InputSpec:
+def _input_spec(vi) -> InputSpec:
+    """InputSpec of a graph input ValueInfoProto; ModelLoadError for non-tensors or unsupported dtypes."""
     tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
     if tt is None:
         raise ModelLoadError(f"graph input {vi.name!r} is not a tensor (sequences, maps and optionals "
@@ -242,7 +244,7 @@ class OnnxProgram(Program):
             if imp.domain in ("", "ai.onnx"):
                 self.opset = int(imp.version)
         self.initializers = {t.name: _tensor_array(t, f"initializer {t.name!r}") for t in g.initializer}
-        self.inputs = tuple(_input_spec(vi, self.initializers) for vi in g.input
+        self.inputs = tuple(_input_spec(vi) for vi in g.input
                             if vi.name not in self.initializers)
         self.outputs = tuple(o.name for o in g.output)
         nodes = []
@@ -306,9 +308,11 @@ class FoldingBuilder(GraphBuilder):
         return outs
 
     def nodes(self) -> list[Node]:
+        """The nodes built so far, in order."""
         return list(self._nodes)
 
     def types(self) -> dict:
+        """Value name -> TensorType for every value built so far."""
         return dict(self._types)
 
     def const_value(self, v: Value) -> np.ndarray | None:
@@ -348,6 +352,7 @@ class Lowering:
         self.b, self.env, self.initializers, self.opset = b, env, initializers, opset
 
     def value(self, name: str, what: str) -> Value:
+        """The Value of ONNX value ``name`` (initializers become constants on first use)."""
         v = self.env.get(name)
         if v is None:
             arr = self.initializers.get(name)
@@ -358,6 +363,7 @@ class Lowering:
         return v
 
     def run(self, node: OnnxNode) -> None:
+        """Lower one node, binding its outputs; errors are re-raised naming the node."""
         from .onnx_ops import convert_node
 
         if node.domain not in ("", "ai.onnx"):
@@ -371,6 +377,10 @@ class Lowering:
             msg = str(e)
             prefix = node.describe()
             raise type(e)(msg if msg.startswith(prefix) else f"{prefix}: {msg}") from None
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            # malformed attributes (wrong type or length) surface here
+            raise ShapeError(f"{node.describe()}: invalid attributes or operands: "
+                             f"{type(e).__name__}: {e}") from None
         for name, v in zip(node.outputs, outs):
             if name and v is not None:
                 self.env[name] = v
@@ -415,12 +425,14 @@ class NodeContext:
         return self.lowering.value(self.node.inputs[i], self.node.describe())
 
     def need(self, i: int) -> Value:
+        """Input ``i`` as a Value; ShapeError naming the node when it is absent."""
         v = self.x(i)
         if v is None:
             raise ShapeError(f"{self.node.describe()}: input {i} is required")
         return v
 
     def inputs(self) -> list[Value]:
+        """Every present input, in order (for variadic ops)."""
         return [self.need(i) for i in range(self.n_in) if self.has(i)]
 
     def const(self, i: int, default=None):
@@ -436,16 +448,20 @@ class NodeContext:
         return arr
 
     def ints(self, i: int, default=None):
+        """Input ``i`` as a list of Python ints (compile-time constant), or ``default``."""
         arr = self.const(i)
         return default if arr is None else [int(a) for a in np.asarray(arr).reshape(-1)]
 
     def attr(self, name: str, default=None):
+        """Attribute ``name`` of the node, or ``default``."""
         return self.node.attrs.get(name, default)
 
     def unsupported(self, detail: str) -> UnsupportedOpError:
+        """An UnsupportedOpError for this node (to raise)."""
         return UnsupportedOpError(self.node.op_type, self.node.name, detail)
 
     def error(self, msg: str) -> ShapeError:
+        """A ShapeError naming this node (to raise)."""
         return ShapeError(f"{self.node.describe()}: {msg}")
 
 

@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import UnsupportedOpError
+from ..errors import ShapeError, UnsupportedOpError
 from ..ir.types import FLOAT_DTYPES
 from ..ops import compound as C
-from .onnx import ONNX_DTYPES, NodeContext, onnx_dtype
+from .onnx import NodeContext, onnx_dtype
 
 CONVERTERS: dict[str, Callable] = {}
 
@@ -85,9 +85,11 @@ def _where(cx):
 
 
 def _to_dtype(cx, code) -> str:
-    if int(code) not in ONNX_DTYPES:
-        onnx_dtype(code, f"{cx.node.describe()}'s target type")
-    return ONNX_DTYPES[int(code)]
+    """apollo dtype for ONNX element type ``code``; UnsupportedOpError naming the node if none."""
+    try:
+        return onnx_dtype(code, "the target type")
+    except ShapeError as e:
+        raise cx.unsupported(str(e)) from None
 
 
 @converter("Cast")
@@ -229,6 +231,11 @@ def _softmax(cx):
     return fn(cx.b, x, cx.attr("axis", -1))
 
 
+@converter("Shrink")
+def _shrink(cx):
+    return C.shrink(cx.b, cx.need(0), cx.attr("lambd", 0.5), cx.attr("bias", 0.0))
+
+
 # --- normalisation --------------------------------------------------------------------------------
 
 
@@ -258,6 +265,26 @@ def _instance_norm(cx):
 @converter("MeanVarianceNormalization")
 def _mvn(cx):
     return C.mean_variance_norm(cx.b, cx.need(0), cx.attr("axes", [0, 2, 3]))
+
+
+@converter("GroupNormalization")
+def _group_norm(cx):
+    x = cx.need(0)
+    per_channel = cx.opset >= 21
+    stash = _to_dtype(cx, cx.attr("stash_type", 1)) if per_channel else None
+    return C.group_norm(cx.b, x, cx.need(1), cx.need(2), int(cx.attr("num_groups")),
+                        cx.attr("epsilon", 1e-5), per_channel, stash)
+
+
+@converter("LpNormalization")
+def _lp_norm(cx):
+    return C.lp_normalize(cx.b, cx.need(0), cx.attr("axis", -1), cx.attr("p", 2))
+
+
+@converter("LRN")
+def _lrn(cx):
+    return C.lrn(cx.b, cx.need(0), int(cx.attr("size")), cx.attr("alpha", 1e-4), cx.attr("beta", 0.75),
+                 cx.attr("bias", 1.0))
 
 
 # --- reductions -----------------------------------------------------------------------------------
@@ -568,3 +595,9 @@ def _pad(cx):
         return x
     return cx.b.pad(x, pads=tuple(int(p) for p in pads), mode=mode, value=value)
 
+
+
+@converter("Trilu")
+def _trilu(cx):
+    k = cx.ints(1, [0])[0] if cx.has(1) else 0
+    return C.trilu(cx.b, cx.need(0), k, bool(cx.attr("upper", 1)))

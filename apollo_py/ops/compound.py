@@ -148,7 +148,8 @@ def log_softmax(b, x, axis: int = -1):
 
 def coerced_2d(b, x, axis: int, fn):
     """Apply ``fn(b, x2d, 1)`` to ``x`` flattened to 2-D at ``axis`` (ONNX opset < 13 softmax)."""
-    ax = normalize_axis(axis, x.type.rank) if x.type.rank else 0
+    r = x.type.rank
+    ax = r if axis == r else (normalize_axis(axis, r) if r else 0)
     shape2 = (prod(x.shape[:ax]), prod(x.shape[ax:]))
     return reshape(b, fn(b, reshape(b, x, shape2), 1), x.shape)
 
@@ -208,6 +209,65 @@ def mean_variance_norm(b, x, axes=(0, 2, 3)):
     var = b.sub(reduce_mean(b, b.mul(x, x), axes, True), b.mul(mean, mean))
     std = b.add(b.sqrt(var), scalar(b, 1e-9, x.dtype))
     return b.div(b.sub(x, mean), std)
+
+
+def group_norm(b, x, scale, bias, num_groups: int, eps: float = 1e-5, per_channel: bool = True,
+               stash_dtype: str | None = None):
+    """GroupNormalization: normalise each of ``num_groups`` channel groups over (C/G, spatial...).
+
+    ``per_channel`` scale/bias have shape (C,) (ONNX opset >= 21); otherwise (G,) (opset 18).
+    Statistics are computed in ``stash_dtype`` (None = x's dtype).
+    """
+    n, c = x.shape[0], x.shape[1]
+    if num_groups <= 0 or c % num_groups:
+        raise ShapeError(f"{c} channels do not split into {num_groups} groups")
+    rest = x.shape[2:]
+    g = reshape(b, cast(b, x, stash_dtype or x.dtype), (n, num_groups, c // num_groups) + tuple(rest))
+    axes = tuple(range(2, g.type.rank))
+    mean = reduce_mean(b, g, axes, True)
+    d = b.sub(g, mean)
+    var = reduce_mean(b, b.mul(d, d), axes, True)
+    y = b.mul(d, b.rsqrt(b.add(var, scalar(b, eps, g.dtype))))
+    if per_channel:
+        y = cast(b, reshape(b, y, x.shape), x.dtype)
+        cs = (1, c) + (1,) * len(rest)
+    else:
+        y = cast(b, y, x.dtype)
+        cs = (1, num_groups) + (1,) * (len(rest) + 1)
+    y = b.add(b.mul(y, reshape(b, scale, cs)), reshape(b, bias, cs))
+    return reshape(b, y, x.shape)
+
+
+def lp_normalize(b, x, axis: int = -1, p: int = 2):
+    """x / ||x||_p along ``axis`` (p = 1 or 2); 0 where the norm is 0."""
+    ax = (normalize_axis(axis, x.type.rank),)
+    if p == 1:
+        norm = reduce_l1(b, x, ax, True)
+    elif p == 2:
+        norm = reduce_l2(b, x, ax, True)
+    else:
+        raise ShapeError(f"Lp normalisation supports p = 1 or 2, got {p}")
+    zero = scalar(b, 0, x.dtype)
+    is_zero = b.eq(norm, zero)
+    safe = b.where(is_zero, scalar(b, 1, x.dtype), norm)
+    return b.where(is_zero, zero, b.div(x, safe))
+
+
+def lrn(b, x, size: int, alpha: float = 1e-4, beta: float = 0.75, bias: float = 1.0):
+    """Local response normalisation across channels (axis 1): x / (bias + alpha/size * sum x^2)^beta.
+
+    The channel window sum is a window_reduce over (C, spatial...) with a (size, 1, ...) kernel.
+    """
+    if x.type.rank < 3:
+        raise ShapeError(f"LRN needs an input of rank >= 3 (N, C, ...), got {x.shape}")
+    nsp = x.type.rank - 1
+    lo, hi = (size - 1) // 2, -(-(size - 1) // 2)
+    sq = b.mul(x, x)
+    s = b.window_reduce(sq, reducer="sum", kernel=(size,) + (1,) * (nsp - 1), strides=(1,) * nsp,
+                        pads=(lo,) + (0,) * (nsp - 1) + (hi,) + (0,) * (nsp - 1), dilations=(1,) * nsp)
+    dt = x.dtype
+    base = b.add(scalar(b, bias, dt), b.mul(s, scalar(b, alpha / size, dt)))
+    return b.div(x, b.pow(base, scalar(b, beta, dt)))
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -307,6 +367,13 @@ def sign(b, x):
     zero = scalar(b, 0, dt)
     pos = b.where(b.gt(x, zero), scalar(b, 1, dt), zero)
     return b.where(b.lt(x, zero), scalar(b, -1, dt), pos)
+
+
+def shrink(b, x, lambd: float = 0.5, bias: float = 0.0):
+    """x + bias where x < -lambd, x - bias where x > lambd, 0 elsewhere."""
+    dt = x.dtype
+    lo = b.where(b.lt(x, scalar(b, -lambd, dt)), b.add(x, scalar(b, bias, dt)), scalar(b, 0, dt))
+    return b.where(b.gt(x, scalar(b, lambd, dt)), b.sub(x, scalar(b, bias, dt)), lo)
 
 
 # --- linear algebra -----------------------------------------------------------------------------
@@ -509,6 +576,19 @@ def tile(b, x, repeats: Sequence[int]):
     big = [v for r, d in zip(reps, x.shape) for v in (r, d)]
     y = b.broadcast_to(reshape(b, x, inter), shape=tuple(big))
     return reshape(b, y, [r * d for r, d in zip(reps, x.shape)])
+
+
+def trilu(b, x, k: int = 0, upper: bool = True):
+    """Keep the upper (j - i >= k) or lower (j - i <= k) triangle of the last two dims, zero the rest."""
+    if x.type.rank < 2:
+        raise ShapeError(f"trilu needs rank >= 2, got {x.shape}")
+    rows, cols = x.shape[-2:]
+    i = b.iota(shape=(rows, cols), axis=0, dtype="int64")
+    j = b.iota(shape=(rows, cols), axis=1, dtype="int64")
+    diff = b.sub(j, i)
+    keep = b.ge(diff, scalar(b, k, "int64")) if upper else b.le(diff, scalar(b, k, "int64"))
+    zero = scalar(b, False if x.dtype == "bool" else 0, x.dtype)
+    return b.where(keep, x, zero)
 
 
 # --- variadic -----------------------------------------------------------------------------------
