@@ -35,6 +35,16 @@ class NotOneGroup(Exception):
     """No schedule with one fusion group was found."""
 
 
+def _exhausted(ctx: isl.Context) -> bool:
+    """True when ``ctx`` is out of operations: isl then fails every further call, and some
+    callers (the schedule-tree parser) report that as their own error, not as the budget."""
+    try:
+        isl.Set("{ [i] : 0 <= i < 2 }", context=ctx).is_empty()
+        return False
+    except isl.Error:
+        return True
+
+
 @contextmanager
 def budget(ctx: isl.Context, n: int):
     """Run the body with at most ``n`` isl operations (0 = unlimited); BudgetExceeded if over."""
@@ -43,7 +53,7 @@ def budget(ctx: isl.Context, n: int):
     try:
         yield
     except isl.Error as e:
-        if _BUDGET_MSG in str(e):
+        if _BUDGET_MSG in str(e) or (n and _exhausted(ctx)):
             raise BudgetExceeded(str(e)) from None
         raise
     finally:
@@ -290,11 +300,20 @@ def _tree_text(prog, domain, band_dims, bmap, groups, resid, inner_map) -> str:
 
 
 def check_legal(sched: isl.Schedule, deps: Dependences, prog: PolyProgram) -> bool:
-    """True if every validity dependence goes forward in ``sched``'s order."""
+    """True if every validity dependence goes forward in ``sched``'s order.
+
+    Maps each dependence pair to its pair of schedule times and checks it is lexicographically
+    increasing (cheaper than building the whole schedule's lex-order relation)."""
     m = _ctxd(sched.get_map(), prog)
     dom = sched.get_domain()
     validity = _ctxd(deps.validity.intersect_domain(dom).intersect_range(dom), prog)
-    return validity.is_subset(m.lex_lt_union_map(m))
+    if validity.is_empty():
+        return True
+    times = validity.apply_domain(m).apply_range(m)
+    if times.is_empty():
+        return True
+    t = isl.Map.from_union_map(times)
+    return t.is_subset(isl.Map.lex_lt(t.get_space().domain()))
 
 
 # ----------------------------------------------------------------------------- isl scheduler
@@ -302,7 +321,7 @@ def check_legal(sched: isl.Schedule, deps: Dependences, prog: PolyProgram) -> bo
 def isl_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Schedule, int, tuple]:
     """isl's own scheduler (whole-component, then defaults); the first one-group result.
 
-    Must run inside :func:`budget`.  Raises NotOneGroup when neither option set gives one
+    Run it inside :func:`budget`.  Raises NotOneGroup when neither option set gives one
     outer band over all statements.
     """
     ctx = prog.ctx
@@ -375,7 +394,8 @@ def tile_outer_band(sched: isl.Schedule, band: int, sizes) -> isl.Schedule:
 
 
 def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[FusedSchedule, Dependences]:
-    """Dependences + one-group schedule of ``prog`` within ``budget_ops`` isl operations.
+    """Dependences + one-group schedule of ``prog``, each step within ``budget_ops`` isl
+    operations (the counter is reset before each step, as for each isl call in DESIGN §5).
 
     ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then the isl
     scheduler.  Raises BudgetExceeded or NotOneGroup.
@@ -383,10 +403,12 @@ def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[Fused
     t0 = time.perf_counter()
     with budget(prog.ctx, budget_ops):
         deps = deps_fn(prog)
-        try:
+    try:
+        with budget(prog.ctx, budget_ops):
             sched, nb, ext = build_fused_schedule(prog, deps)
-            strategy = "direct"
-        except NotOneGroup:
+        strategy = "direct"
+    except NotOneGroup:
+        with budget(prog.ctx, budget_ops):
             sched, nb, ext = isl_schedule(prog, deps)
-            strategy = "isl"
+        strategy = "isl"
     return FusedSchedule(sched, nb, ext, strategy, (time.perf_counter() - t0) * 1e3), deps

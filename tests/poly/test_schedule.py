@@ -102,3 +102,14 @@ def test_tiling_outer_band():
     tiled = tile_outer_band(fs.schedule, fs.band, (4, 4))
     assert tiled.get_root().child(0).band_n_member() == 2
     assert tiled.get_root().child(0).child(0).band_n_member() == 2    # point band
+
+
+@pytest.mark.parametrize("ops", [2_000, 20_000, 45_000, 70_000, 95_000, 120_000])
+def test_any_budget_either_schedules_or_raises_budget_exceeded(ops):
+    """Running out mid-way (e.g. inside the schedule-tree parser) is still BudgetExceeded."""
+    p = _prog(graphs.layernorm(8, 32))
+    try:
+        fs, deps = schedule_program(p, compute_dependences, ops)
+    except BudgetExceeded:
+        return
+    assert check_legal(fs.schedule, deps, p)
