@@ -243,3 +243,32 @@ def test_micro_graph_entry_point(tmp_path):
     (k,) = fuse_micro_graph(mg, g.types, options=Options(cache_dir=str(tmp_path)))
     assert k.micro_graphs == (mg,) and k.outputs == tuple(g.outputs)
     _run(g, [k])
+
+
+def _leaky_relu_where():
+    b = GraphBuilder("leaky")
+    x = b.input("x", [5, 33])
+    zero = b.input("zero", [])
+    y = b.where(b.gt(x, zero), x, b.mul(x, 0.1))
+    return b.build([y])
+
+
+def _int_ops():
+    b = GraphBuilder("ints")
+    x = b.input("x", [4, 7], "int32")
+    y = b.input("y", [7], "int32")
+    s = b.add(b.mul(x, y), b.cast(b.iota(shape=(4, 7), axis=1, dtype="int64"), to="int32"))
+    return b.build([b.reduce_max(s, axes=(1,)), b.cast(b.lt(x, y), to="float32")])
+
+
+def _float64_mean():
+    b = GraphBuilder("f64")
+    x = b.input("x", [3, 50], "float64")
+    return b.build([b.reduce_sum(b.exp(x), axes=(1,), keepdims=True)])
+
+
+@pytest.mark.parametrize("make", [_leaky_relu_where, _int_ops, _float64_mean])
+def test_dtypes_and_selects(tmp_path, make):
+    g = make()
+    ks = _fuse(g, cache_dir=str(tmp_path))
+    _run(g, ks)
