@@ -565,7 +565,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
                                "unroll"))
         stmts.append(L.For(blk, L.Const(0), L.Const(nfull), L.Block((
             L.For(lane, L.Const(0), L.Const(lanes),
-                  lane_body(L.Const(lo) + blk * lanes + lane, lane), "vector"),)), "serial"))
+                  lane_body(_simplify_add(L.Const(lo, "int64"), blk * lanes + lane), lane), "vector"),)), "serial"))
         if base < hi:
             stmts.append(L.For(tail, L.Const(base), L.Const(hi),
                                lane_body(tail, tail - base), "serial"))
