@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.types import FLOAT_DTYPES
 from ..ops import compound as C
+from ..ops import compound_index as CI
 from .onnx import NodeContext, onnx_dtype
 
 CONVERTERS: dict[str, Callable] = {}
@@ -601,3 +602,52 @@ def _pad(cx):
 def _trilu(cx):
     k = cx.ints(1, [0])[0] if cx.has(1) else 0
     return C.trilu(cx.b, cx.need(0), k, bool(cx.attr("upper", 1)))
+
+
+# --- index-producing and rearranging ops --------------------------------------------------------
+
+
+@converter("ArgMax", "ArgMin")
+def _arg_reduce(cx):
+    return CI.arg_reduce(cx.b, cx.need(0), cx.attr("axis", 0), bool(cx.attr("keepdims", 1)),
+                         bool(cx.attr("select_last_index", 0)), cx.node.op_type == "ArgMax")
+
+
+@converter("Hardmax")
+def _hardmax(cx):
+    x = cx.need(0)
+    if cx.opset < 13:
+        return C.coerced_2d(cx.b, x, cx.attr("axis", 1), CI.hardmax)
+    return CI.hardmax(cx.b, x, cx.attr("axis", -1))
+
+
+@converter("OneHot")
+def _one_hot(cx):
+    depth = int(np.asarray(cx.const(1)).reshape(-1)[0])
+    values = cx.need(2)
+    if values.shape != (2,):
+        raise cx.error(f"values must have shape (2,) (off, on), got {values.shape}")
+    off = C.reshape(cx.b, C.slice_(cx.b, values, [0], [1]), ())
+    on = C.reshape(cx.b, C.slice_(cx.b, values, [1], [2]), ())
+    return CI.one_hot(cx.b, cx.need(0), depth, off, on, cx.attr("axis", -1))
+
+
+@converter("CumSum")
+def _cumsum(cx):
+    axis = int(np.asarray(cx.const(1)).reshape(-1)[0])
+    return CI.cumsum(cx.b, cx.need(0), axis, bool(cx.attr("exclusive", 0)), bool(cx.attr("reverse", 0)))
+
+
+@converter("DepthToSpace")
+def _depth_to_space(cx):
+    return CI.depth_to_space(cx.b, cx.need(0), int(cx.attr("blocksize")), cx.attr("mode", "DCR"))
+
+
+@converter("SpaceToDepth")
+def _space_to_depth(cx):
+    return CI.space_to_depth(cx.b, cx.need(0), int(cx.attr("blocksize")), cx.attr("mode", "DCR"))
+
+
+@converter("Round")
+def _round(cx):
+    return CI.round_half_even(cx.b, cx.need(0))

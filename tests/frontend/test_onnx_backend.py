@@ -20,7 +20,7 @@ import apollo_py
 STATIC_OPERANDS = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,),
     "Unsqueeze": (1,), "Pad": (1, 2, 3), "Split": (1,), "ConstantOfShape": (0,),
-    "Range": (0, 1, 2), "Trilu": (1,), "Dropout": (1, 2), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+    "Range": (0, 1, 2), "Trilu": (1,), "OneHot": (1,), "CumSum": (1,), "Dropout": (1, 2), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
     "ReduceProd": (1,), "ReduceMean": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
     "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
 }
@@ -95,7 +95,8 @@ OPS = [
     "sigmoid", "sign", "size", "slice", "softmax", "softplus", "softsign", "split", "sqrt",
     "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
     "xor", "group_normalization", "lrn", "l1normalization", "l2normalization", "lpnormalization",
-    "shrink", "tril", "triu", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
+    "shrink", "tril", "triu", "argmax", "argmin", "hardmax", "onehot", "cumsum", "depthtospace",
+    "spacetodepth", "round", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
 ]
 
 backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
