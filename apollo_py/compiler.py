@@ -1,24 +1,37 @@
 """The pipeline (DESIGN §3): one short function listing the passes in order.
 
-Graph --preprocess--> Graph --partition--> [MicroGraph] --layer1/2/3--> [Kernel]
-      --codegen--> Executable
+Graph --preprocess--> Graph --partition--> [MicroGraph] --layer2 + layer1--> [Kernel]
+      --codegen (parallel)--> Executable
 Each pass is a pure function from one immutable value to the next.
 """
 from __future__ import annotations
 
+from .errors import CompileError
 from .ir.graph import Graph
 from .options import Options
 from .plan import Plan
+
+TARGETS = ("reference", "cpu")
 
 
 def compile_graph(graph: Graph, options: Options):
     """Compile a static-shape primitive graph into an executable with ``.run(feeds)`` and ``.plan``."""
     from .partition import partition, preprocess
-    from .partition.execute import MicroGraphExecutable
 
+    if options.target not in TARGETS:
+        raise CompileError(f"target {options.target!r} is not available (available: {', '.join(TARGETS)})")
     graph = preprocess(graph, options)
-    plan = Plan(graph=graph, micro_graphs=partition(graph, options))
-    if options.target != "reference":
-        from .errors import CompileError
-        raise CompileError(f"target {options.target!r} is not available yet (available: 'reference')")
-    return MicroGraphExecutable(graph, plan)
+    micro_graphs = partition(graph, options)
+    if options.target == "reference":
+        from .partition.execute import MicroGraphExecutable
+        return MicroGraphExecutable(graph, Plan(graph=graph, micro_graphs=micro_graphs))
+
+    from .layers.lowering import lower_micro_graphs
+    from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
+
+    specs = lower_micro_graphs(graph, micro_graphs, options)
+    compiled = iter(compile_kernels([s.fused for s in specs if s.fused is not None], options))
+    steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
+             else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
+    plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))
+    return CpuExecutable(graph, steps, plan, options.num_threads)

@@ -1,0 +1,123 @@
+"""From micro-graphs to executable steps for the CPU target (layers 2 and 1, then codegen).
+
+For each micro-graph, in order:
+
+* fallback ops and opaque reorganising ops (reshape, transpose, slice, concat, pad, gather)
+  have no loop-nest lowering yet: they run through their numpy references (a reference step);
+* a matmul/conv micro-graph runs its compute op through numpy's BLAS-backed reference and its
+  fused epilogue (rule 6) as one generated kernel;
+* elementwise / broadcast / reduction micro-graphs are stitched by layer 2 and fused by layer 1
+  into loop-IR kernels.
+
+Every choice that is not a generated kernel is recorded with its reason; a layer-1 failure on a
+micro-graph falls back to a reference step and says why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..errors import CompileError
+from ..ir.graph import Graph
+from ..options import Options
+from .layer1 import fuse_micro_graph
+from .layer2 import stitch_groups
+
+REFERENCE_OPS = {"reshape", "transpose", "slice", "concat", "pad", "gather", "onnx_op", "scatter_add",
+                 "constant"}
+BLAS_OPS = {"matmul", "conv"}
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one runtime step computes: ``fused`` (FusedKernel) or reference ``nodes`` + reason."""
+
+    inputs: tuple
+    outputs: tuple
+    fused: object = None
+    nodes: tuple = ()
+    reason: str = ""
+    micro_graphs: tuple = field(default=())
+
+    def to_dict(self) -> dict:
+        if self.fused is not None:
+            d = self.fused.to_dict()
+            d["kind"] = "kernel"
+            d["micro_graphs"] = list(self.micro_graphs)
+            return d
+        return {"kind": "reference", "ops": [n.op for n in self.nodes], "inputs": list(self.inputs),
+                "outputs": list(self.outputs), "reason": self.reason, "micro_graphs": list(self.micro_graphs)}
+
+    def describe(self) -> str:
+        if self.fused is not None:
+            f = self.fused
+            return (f"kernel {f.name}: {' '.join(n.op for n in f.nodes)}  [parallel dims {f.parallel_dims}, "
+                    f"{f.strategy}]")
+        return f"numpy  {' '.join(n.op for n in self.nodes)}  ({self.reason})"
+
+
+def _boundary(nodes, graph: Graph, later_reads: set) -> tuple[tuple, tuple]:
+    produced = {o for n in nodes for o in n.outputs}
+    ins = tuple(dict.fromkeys(v for n in nodes for v in n.inputs if v not in produced))
+    outs = tuple(o for n in nodes for o in n.outputs if o in later_reads or o in graph.outputs)
+    return ins, outs
+
+
+def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options) -> list[StepSpec]:
+    """Steps (in execution order) computing ``graph`` from its micro-graphs."""
+    types = graph.types
+    reads_after: list[set] = []
+    acc: set = set(graph.outputs)
+    for m in reversed(micro_graphs):
+        reads_after.append(set(acc))
+        acc |= set(m.inputs)
+    reads_after.reverse()
+
+    steps: list[StepSpec] = []
+    for group in stitch_groups(micro_graphs, types):
+        members = [micro_graphs[k] for k in group]
+        later = reads_after[group[-1]]
+        nodes = [n for m in members for n in m.nodes]
+        first = members[0]
+        if len(members) == 1 and (first.kind == "fallback" or any(n.op in REFERENCE_OPS for n in nodes)):
+            ins, outs = _boundary(nodes, graph, later)
+            why = "fallback op (onnx.reference)" if first.kind == "fallback" else "no loop-nest lowering for " + \
+                ", ".join(sorted({n.op for n in nodes if n.op in REFERENCE_OPS}))
+            steps.append(StepSpec(ins, outs, nodes=tuple(nodes), reason=why, micro_graphs=tuple(group)))
+            continue
+        if len(members) == 1 and nodes[0].op in BLAS_OPS:
+            head, epilogue = nodes[:1], nodes[1:]
+            later_all = later | {v for n in epilogue for v in n.inputs}
+            ins, outs = _boundary(head, graph, later_all)
+            steps.append(StepSpec(ins, outs, nodes=tuple(head), reason=f"{head[0].op} via numpy BLAS",
+                                  micro_graphs=tuple(group)))
+            nodes = epilogue
+            if not nodes:
+                continue
+        ins, outs = _boundary(nodes, graph, later)
+        steps.extend(_fuse(nodes, ins, outs, graph, options, tuple(group), members))
+    return steps
+
+
+def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
+    types = graph.types
+    try:
+        fused = fuse_micro_graph(list(nodes), types, list(ins), list(outs), options)
+    except CompileError as e:
+        fused, err = None, str(e)
+    if fused is not None and len(members) > 1 and len(fused) > 1:
+        # the stitch did not give one kernel: undo it and fuse each micro-graph alone
+        from .layer1 import _log, signature_of
+        _log(options, "stitch_rejected", signature_of(list(nodes), types), types, list(ins) + list(outs), 0.0,
+             f"layer 1 gave {len(fused)} kernels for {len(members)} stitched micro-graphs")
+        out: list[StepSpec] = []
+        later = set(outs)
+        for k, m in enumerate(members):
+            rest_reads = {v for mm in members[k + 1:] for v in mm.inputs} | later
+            i2, o2 = _boundary(m.nodes, graph, rest_reads)
+            out.extend(_fuse(m.nodes, i2, o2, graph, options, (group[k],), [m]))
+        return out
+    if fused is None:
+        return [StepSpec(ins, outs, nodes=tuple(nodes), reason=f"layer 1 failed: {err}", micro_graphs=group)]
+    return [StepSpec(tuple(v for v in f.param_values if v not in f.outputs), tuple(f.outputs), fused=f,
+                     micro_graphs=group) for f in fused]
