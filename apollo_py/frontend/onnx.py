@@ -288,8 +288,8 @@ class OnnxProgram(Program):
         for node in self.nodes:
             lowering.run(node)
         outs = [lowering.value(o, f"graph output {o!r}") for o in self.outputs]
-        b.set_source()
-        return finalize(b, [s.name for s in self.inputs], list(zip(self.outputs, outs)))
+        sources = {o: lowering.bound_by.get(o, "") for o in self.outputs}
+        return finalize(b, [s.name for s in self.inputs], list(zip(self.outputs, outs)), sources)
 
 
 class FoldingBuilder(GraphBuilder):
@@ -350,6 +350,7 @@ class Lowering:
 
     def __init__(self, b: FoldingBuilder, env: dict, initializers: Mapping[str, np.ndarray], opset: int):
         self.b, self.env, self.initializers, self.opset = b, env, initializers, opset
+        self.bound_by: dict[str, str] = {}  # ONNX value name -> name of the node that produced it
 
     def value(self, name: str, what: str) -> Value:
         """The Value of ONNX value ``name`` (initializers become constants on first use)."""
@@ -384,6 +385,7 @@ class Lowering:
         for name, v in zip(node.outputs, outs):
             if name and v is not None:
                 self.env[name] = v
+                self.bound_by[name] = node.name
 
 
 def onnx_dtype_of_array(arr: np.ndarray, what: str) -> str:
@@ -468,17 +470,19 @@ class NodeContext:
 # --- finishing the graph ------------------------------------------------------------------------
 
 
-def finalize(b: FoldingBuilder, inputs: list[str], outputs: list[tuple[str, Value]]) -> Graph:
+def finalize(b: FoldingBuilder, inputs: list[str], outputs: list[tuple[str, Value]],
+             sources: Mapping[str, str] | None = None) -> Graph:
     """Build the graph: outputs renamed to their ONNX names, dead nodes (folded shape math) dropped.
 
     An output that is a graph input, or a value already given to an earlier output, gets a copy
-    node so that every graph output is a distinct node output.
+    node so that every graph output is a distinct node output; the copy's provenance is the ONNX
+    node that produced the output (``sources``: output name -> node name), e.g. an Identity.
     """
     claimed: set[str] = set()
     final: list[tuple[str, Value]] = []
     for oname, v in outputs:
         if v.name in inputs or v.name in claimed:
-            b.set_source("output " + oname)
+            b.set_source((sources or {}).get(oname, ""))
             v = C.copy(b, v)
         claimed.add(v.name)
         final.append((oname, v))

@@ -72,3 +72,32 @@ def test_provenance_and_names():
     assert "reduce_sum" in ln_ops and "sqrt" in ln_ops
     sm_ops = [n.op for n in graph.nodes if n.source == ("softmax",)]
     assert [o for o in sm_ops if o != "constant"] == ["reduce_max", "sub", "exp", "reduce_sum", "div"]
+
+
+def test_identity_outputs_get_copies_with_provenance():
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("a", "b", "c")]
+    nodes = [helper.make_node("Identity", ["x"], ["a"], name="id_a"),
+             helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Identity", ["r"], ["b"], name="id_b"),
+             helper.make_node("Identity", ["r"], ["c"], name="id_c")]
+    m = helper.make_model(helper.make_graph(nodes, "ids", [x], outs),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    f = apollo_py.jit(m, target="reference")
+    v = np.array([-1, 0, 2], np.float32)
+    a, b, c = f(v)
+    np.testing.assert_array_equal(a, v)
+    np.testing.assert_array_equal(b, np.maximum(v, 0))
+    np.testing.assert_array_equal(c, np.maximum(v, 0))
+    g = f.plan.graph
+    assert g.outputs == ("a", "b", "c")
+    assert all(n.source for n in g.nodes)
+    assert {n.source for n in g.nodes} <= {("id_a",), ("relu",), ("id_b",), ("id_c",)}
+
+
+def test_demo_runs(capsys):
+    import demo
+    demo.main("softmax_chain")
+    out = capsys.readouterr().out
+    assert "y: shape (4, 12) float32" in out and "plan for 'softmax_chain'" in out
