@@ -28,6 +28,8 @@ llvmlite is imported lazily so that importing apollo_py stays fast.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import threading
 
 from apollo_py.codegen import llvm_math
@@ -515,8 +517,37 @@ def optimize_ir(text: str):
     pto.loop_vectorization = True
     pto.slp_vectorization = True
     pb = llvm.create_pass_builder(h.opt_tm, pto)
-    pb.getModulePassManager().run(mod, pb)
+    with _quiet_remarks():
+        pb.getModulePassManager().run(mod, pb)
     return mod
+
+
+@contextmanager
+def _quiet_remarks():
+    """Drop LLVM's ``remark:`` lines (e.g. a forced loop it chose not to vectorise), which it
+    prints straight to file descriptor 2; any other diagnostic is passed on to stderr."""
+    import os
+    import sys
+    import tempfile
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # stderr replaced by a non-file object
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(True)
+                    if not ln.startswith("remark:")]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def compile_llvm(k: L.Kernel) -> CompiledKernel:
