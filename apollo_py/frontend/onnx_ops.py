@@ -651,3 +651,9 @@ def _space_to_depth(cx):
 @converter("Round")
 def _round(cx):
     return CI.round_half_even(cx.b, cx.need(0))
+
+
+@converter("Einsum")
+def _einsum(cx):
+    from ..ops.compound_einsum import einsum
+    return einsum(cx.b, cx.attr("equation"), cx.inputs())

@@ -96,7 +96,7 @@ OPS = [
     "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
     "xor", "group_normalization", "lrn", "l1normalization", "l2normalization", "lpnormalization",
     "shrink", "tril", "triu", "argmax", "argmin", "hardmax", "onehot", "cumsum", "depthtospace",
-    "spacetodepth", "round", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
+    "spacetodepth", "round", "einsum", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
 ]
 
 backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
