@@ -20,7 +20,8 @@ import apollo_py
 STATIC_OPERANDS = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,),
     "Unsqueeze": (1,), "Pad": (1, 2, 3), "Split": (1,), "ConstantOfShape": (0,),
-    "Range": (0, 1, 2), "Trilu": (1,), "OneHot": (1,), "CumSum": (1,), "Dropout": (1, 2), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+    "Range": (0, 1, 2), "Trilu": (1,), "OneHot": (1,), "CumSum": (1,),
+    "Resize": (1, 2, 3), "Upsample": (1,), "Dropout": (1, 2), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
     "ReduceProd": (1,), "ReduceMean": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
     "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
 }
@@ -96,7 +97,7 @@ OPS = [
     "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
     "xor", "group_normalization", "lrn", "l1normalization", "l2normalization", "lpnormalization",
     "shrink", "tril", "triu", "argmax", "argmin", "hardmax", "onehot", "cumsum", "depthtospace",
-    "spacetodepth", "round", "einsum", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
+    "spacetodepth", "round", "einsum", "resize", "upsample", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
 ]
 
 backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
@@ -120,6 +121,7 @@ EXCLUDE = {
     # semantics apollo_py does not implement
     r"^test_batchnorm_.*training_mode": "training-mode BatchNormalization (batch statistics)",
     r"^test_maxpool_with_argmax_": "MaxPool's Indices output is not supported",
+    r"^test_resize_.*_antialias_": "antialiased Resize is not implemented",
     r"^test_range_.*_expanded_": "the expansion of Range uses Loop (control flow)",
     r"^test_training_dropout": "training-mode Dropout draws random masks",
     r"ConvTranspose|convtranspose": "ConvTranspose is not converted (no transposed-conv primitive)",

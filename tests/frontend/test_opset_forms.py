@@ -34,7 +34,7 @@ def case(op, opset, inputs, inits=None, n_out=1, out_types=None, **attrs):
     """
     inits = inits or {}
     names = list(inputs) + list(inits)
-    node = helper.make_node(op, [n if not n.startswith("_skip") else "" for n in names],
+    node = helper.make_node(op, ["" if n.startswith("_skip") else n for n in names],
                             [f"y{k}" for k in range(n_out)], name=f"{op.lower()}_node", **attrs)
     ins = [helper.make_tensor_value_info(n, _ELEM[a.dtype], a.shape) for n, a in inputs.items()]
     outs = [helper.make_tensor_value_info(f"y{k}", (out_types or [F] * n_out)[k], None) for k in range(n_out)]
@@ -129,6 +129,17 @@ CASES = {
     "hardsigmoid_6": case("HardSigmoid", 9, {"x": _x(3, 4) * 4}, alpha=0.3, beta=0.4),
     "layernorm_axis_17": case("LayerNormalization", 17, {"x": _x(2, 3, 4)}, {"s": _x(3, 4), "b": _x(3, 4)},
                               axis=1, epsilon=1e-3),
+    "upsample_9": case("Upsample", 9, {"x": _x(1, 2, 3, 4)},
+                       {"s": np.array([1, 1, 2, 1.5], np.float32)}),
+    "resize_10_nearest_down": case("Resize", 10, {"x": _x(1, 1, 5, 7)},
+                                   {"s": np.array([1, 1, 0.6, 0.5], np.float32)}),
+    "resize_10_linear_up": case("Resize", 10, {"x": _x(1, 1, 3, 4)},
+                                {"s": np.array([1, 1, 2, 1.5], np.float32)}, mode="linear"),
+    "resize_13_cubic_sizes": case("Resize", 13, {"x": _x(1, 2, 4, 5)},
+                                  {"_skip1": _i(0), "_skip2": _i(0), "sz": _i(1, 2, 7, 3)}, mode="cubic"),
+    "resize_19_linear_axes": case("Resize", 19, {"x": _x(2, 3, 4)},
+                                  {"_skip": _i(0), "sc": np.array([1.7], np.float32)}, mode="linear",
+                                  axes=[2], coordinate_transformation_mode="half_pixel_symmetric"),
 }
 
 
