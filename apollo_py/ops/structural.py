@@ -35,7 +35,7 @@ def _transpose_infer(ins, a):
 
 
 register(OpDef("transpose", REORGANIZE, _transpose_infer,
-               lambda xs, a: [np.ascontiguousarray(np.transpose(xs[0], tuple(a["perm"])))],
+               lambda xs, a: [np.array(np.transpose(xs[0], tuple(a["perm"])), order="C")],
                attrs={"perm": REQUIRED}, doc="permute dimensions"))
 
 

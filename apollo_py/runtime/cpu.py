@@ -64,7 +64,7 @@ class CpuExecutable:
     def __init__(self, graph: Graph, steps: Sequence, plan, num_threads: int | None = None):
         self.graph = graph
         self.steps = list(steps)
-        self.constants = {n.outputs[0]: np.ascontiguousarray(n.attrs["value"].array)
+        self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(graph.outputs) | set(self.constants)
         # only kernel outputs go into the arena; reference steps return their own arrays
@@ -99,7 +99,10 @@ class CpuExecutable:
                     run_nodes(s.nodes, local, types)
                     for v in s.outputs:
                         a = local[v]
-                        env[v] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+                        # a numpy view (reshape) of an arena buffer must not outlive its slot
+                        if not a.flags.c_contiguous or np.may_share_memory(a, arena.block):
+                            a = np.array(a, order="C")
+                        env[v] = a
             result = []
             for v in self.graph.outputs:
                 a = env[v]

@@ -42,6 +42,12 @@ OPTIMIZERS = {
 # Adam weights get an absolute tolerance of 5% of lr per element on top of rtol 1e-4, while
 # the relative l2 error over the whole tensor must stay below 1e-5.
 ATOL = {"sgd": 1e-6, "adam": 5e-5}
+# The CPU back end sums reductions with 16 lane accumulators (codegen.templates), numpy
+# pairwise, so near-zero gradient entries differ in sign more often: measured after 20 Adam
+# steps, max abs err 3.1e-4 (0.31 lr) and rel l2 6.2e-5 on W1, rel l2 1.4e-4 on b1 (which
+# starts at zero), while every loss still agrees to rtol 1e-4.  Adam on target="cpu" therefore
+# gets atol = lr and rel l2 <= 3e-4.
+CPU_ADAM = {"atol": 1e-3, "max_rel_l2": 3e-4}
 
 
 @pytest.mark.parametrize("target", ["reference", "cpu"])
@@ -62,7 +68,8 @@ def test_mlp_matches_numpy(front, opt, target):
         assert loss == pytest.approx(want, rel=1e-4)
     for k in ref:
         assert step.params[k] is live[k]  # updated in place
-        _close(k, step.params[k], ref[k], atol=ATOL[opt])
+        tol = CPU_ADAM if (opt, target) == ("adam", "cpu") else {"atol": ATOL[opt]}
+        _close(k, step.params[k], ref[k], **tol)
     sd = step.state_dict()
     assert sd["step"] == STEPS and set(sd["params"]) == set(ref)
     # one graph: loss, 4 new parameters, the new optimizer state
