@@ -52,6 +52,11 @@ class Plan:
             for n in self.graph.nodes:
                 src = f"  <- {', '.join(n.source)}" if n.source else ""
                 lines.append(f"  {n.op:<14} {', '.join(n.outputs)}{src}")
+        if self.kernels:
+            n_gen = sum(1 for k in self.kernels if getattr(k, "fused", None) is not None)
+            lines.append(f"{len(self.kernels)} steps ({n_gen} generated kernels, "
+                         f"{len(self.kernels) - n_gen} numpy steps):")
+            lines.extend(f"  {k:>2}  {step.describe()}" for k, step in enumerate(self.kernels))
         lines.extend(f"note: {s}" for s in self.notes)
         return "\n".join(lines)
 

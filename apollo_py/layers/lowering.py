@@ -106,17 +106,19 @@ def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
     except CompileError as e:
         fused, err = None, str(e)
     if fused is not None and len(members) > 1 and len(fused) > 1:
-        # the stitch did not give one kernel: undo it and fuse each micro-graph alone
+        # the stitch did not give one kernel: log it, then stitch the longest prefix that does
         from .layer1 import _log, signature_of
         _log(options, "stitch_rejected", signature_of(list(nodes), types), types, list(ins) + list(outs), 0.0,
              f"layer 1 gave {len(fused)} kernels for {len(members)} stitched micro-graphs")
-        out: list[StepSpec] = []
-        later = set(outs)
-        for k, m in enumerate(members):
-            rest_reads = {v for mm in members[k + 1:] for v in mm.inputs} | later
-            i2, o2 = _boundary(m.nodes, graph, rest_reads)
-            out.extend(_fuse(m.nodes, i2, o2, graph, options, (group[k],), [m]))
-        return out
+        cut = len(members) - 1
+        head, tail = members[:cut], members[cut:]
+        head_reads = {v for m in tail for v in m.inputs} | set(outs)
+        head_nodes = [n for m in head for n in m.nodes]
+        i1, o1 = _boundary(head_nodes, graph, head_reads)
+        tail_nodes = [n for m in tail for n in m.nodes]
+        i2, o2 = _boundary(tail_nodes, graph, set(outs))
+        return (_fuse(head_nodes, i1, o1, graph, options, group[:cut], head)
+                + _fuse(tail_nodes, i2, o2, graph, options, group[cut:], tail))
     if fused is None:
         return [StepSpec(ins, outs, nodes=tuple(nodes), reason=f"layer 1 failed: {err}", micro_graphs=group)]
     return [StepSpec(tuple(v for v in f.param_values if v not in f.outputs), tuple(f.outputs), fused=f,
