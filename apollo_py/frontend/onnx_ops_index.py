@@ -134,3 +134,32 @@ def _resize(cx):
 def _trilu(cx):
     k = cx.ints(1, [0])[0] if cx.has(1) else 0
     return C.trilu(cx.b, cx.need(0), k, bool(cx.attr("upper", 1)))
+
+
+@converter("ConvTranspose")
+def _conv_transpose(cx):
+    from ..ops.compound_conv import conv_transpose, conv_transpose_pads
+
+    x, w = cx.need(0), cx.need(1)
+    nsp = x.type.rank - 2
+    if nsp < 1 or w.type.rank != x.type.rank:
+        raise cx.error(f"input {x.shape} and weight {w.shape} must have equal rank >= 3")
+    ks = list(w.shape[2:])
+    if list(cx.attr("kernel_shape", ks)) != ks:
+        raise cx.error(f"kernel_shape {cx.attr('kernel_shape')} differs from the weight's {ks}")
+    strides = list(cx.attr("strides", [1] * nsp))
+    dil = list(cx.attr("dilations", [1] * nsp))
+    opad = list(cx.attr("output_padding", [0] * nsp))
+    auto = cx.attr("auto_pad", "NOTSET")
+    out_shape = cx.attr("output_shape")
+    if out_shape is not None:
+        out_shape = list(out_shape)[-nsp:]
+    pads = cx.attr("pads") if auto in ("NOTSET", "VALID") else None
+    if auto == "VALID":
+        pads = [0] * (2 * nsp)
+    pads = conv_transpose_pads(x.shape[2:], ks, strides, dil, opad, pads, out_shape, auto)
+    y = conv_transpose(cx.b, x, w, strides, pads, dil, opad, int(cx.attr("group", 1)))
+    bias = cx.x(2)
+    if bias is not None:
+        y = cx.b.add(y, C.reshape(cx.b, bias, (1, bias.shape[0]) + (1,) * nsp))
+    return y

@@ -140,6 +140,14 @@ CASES = {
     "resize_19_linear_axes": case("Resize", 19, {"x": _x(2, 3, 4)},
                                   {"_skip": _i(0), "sc": np.array([1.7], np.float32)}, mode="linear",
                                   axes=[2], coordinate_transformation_mode="half_pixel_symmetric"),
+    "convtranspose_group_11": case("ConvTranspose", 11, {"x": _x(1, 4, 3, 4)},
+                                   {"w": _x(4, 3, 3, 2), "b": _x(6)}, group=2, strides=[2, 3],
+                                   pads=[1, 0, 0, 1], output_padding=[1, 2], dilations=[1, 2]),
+    "convtranspose_same_upper_11": case("ConvTranspose", 11, {"x": _x(2, 3, 5)}, {"w": _x(3, 2, 4)},
+                                        strides=[2], auto_pad="SAME_UPPER"),
+    "convtranspose_output_shape_11": case("ConvTranspose", 11, {"x": _x(1, 2, 3, 3, 2)},
+                                          {"w": _x(2, 2, 2, 3, 2)}, strides=[2, 2, 1],
+                                          output_shape=[7, 8, 3]),
 }
 
 
