@@ -141,3 +141,15 @@ def test_c_renderer_agrees_on_each_class():
             compile_llvm(fk.loop)(bufs_l)
             for a, b_ in zip(bufs_c, bufs_l):
                 np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-6)
+
+
+def test_feedback_report_groups_events(tmp_path):
+    from apollo_py.cli import main
+    log = tmp_path / "feedback.jsonl"
+    opts = ap.Options(target="cpu", schedule_budget=50, feedback_path=str(log), cache_dir=str(tmp_path))
+    f = ap.jit(_softmax_graph(8, 16), options=opts)
+    f(np.ones((8, 16), np.float32))
+    from apollo_py.feedback.report import render, summarize
+    rows = summarize(read_events(str(log)))
+    assert rows and rows[0]["event"] == "schedule_budget_exceeded" and rows[0]["count"] >= 1
+    assert "schedule_budget_exceeded" in render(opts) and "<table" in render(opts, html=True)
