@@ -163,3 +163,8 @@ def _conv_transpose(cx):
     if bias is not None:
         y = cx.b.add(y, C.reshape(cx.b, bias, (1, bias.shape[0]) + (1,) * nsp))
     return y
+
+
+@converter("Mod")
+def _mod(cx):
+    return CI.mod(cx.b, cx.need(0), cx.need(1), bool(cx.attr("fmod", 0)))

@@ -127,3 +127,21 @@ def round_half_even(b, x):
     tie = b.eq(b.sub(r, x), half)
     odd = b.ne(b.sub(r, b.mul(b.floor(b.mul(r, half)), scalar(b, 2, dt))), scalar(b, 0, dt))
     return b.where(b.logical_and(tie, odd), b.sub(r, scalar(b, 1, dt)), r)
+
+
+def mod(b, x, y, fmod: bool = False):
+    """ONNX Mod: remainder with the divisor's sign (Python %), or C fmod (dividend's sign).
+
+    Integers use the truncating ``div``; floats compute x - trunc(x / y) * y.
+    """
+    if x.dtype in FLOAT_DTYPES:
+        q = b.div(x, y)
+        t = b.where(b.lt(q, scalar(b, 0, q.dtype)), b.ceil(q), b.floor(q))
+        r = b.sub(x, b.mul(t, y))
+    else:
+        r = b.sub(x, b.mul(b.div(x, y), y))
+    if fmod:
+        return r
+    zero = scalar(b, 0, r.dtype)
+    wrong_sign = b.logical_and(b.ne(r, zero), b.ne(b.lt(r, zero), b.lt(y, zero)))
+    return b.where(wrong_sign, b.add(r, y), r)
