@@ -168,3 +168,13 @@ def _conv_transpose(cx):
 @converter("Mod")
 def _mod(cx):
     return CI.mod(cx.b, cx.need(0), cx.need(1), bool(cx.attr("fmod", 0)))
+
+
+@converter("GatherElements")
+def _gather_elements(cx):
+    return CI.gather_elements(cx.b, cx.need(0), cx.need(1), cx.attr("axis", 0))
+
+
+@converter("GatherND")
+def _gather_nd(cx):
+    return CI.gather_nd(cx.b, cx.need(0), cx.need(1), int(cx.attr("batch_dims", 0)))

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from ..ir.types import FLOAT_DTYPES
-from .compound import normalize_axis, reshape, scalar
+from .compound import normalize_axis, reshape, scalar, slice_
 
 
 def arg_reduce(b, x, axis: int = 0, keepdims: bool = True, select_last_index: bool = False,
@@ -145,3 +145,59 @@ def mod(b, x, y, fmod: bool = False):
     zero = scalar(b, 0, r.dtype)
     wrong_sign = b.logical_and(b.ne(r, zero), b.ne(b.lt(r, zero), b.lt(y, zero)))
     return b.where(wrong_sign, b.add(r, y), r)
+
+
+def _wrap(b, idx, n: int):
+    """int64 indices with negative values wrapped by ``n``."""
+    idx = idx if idx.dtype == "int64" else b.cast(idx, to="int64")
+    return b.where(b.lt(idx, scalar(b, 0, "int64")), b.add(idx, scalar(b, n, "int64")), idx)
+
+
+def _strides(shape) -> list[int]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return out[::-1]
+
+
+def gather_elements(b, data, indices, axis: int = 0):
+    """ONNX GatherElements: out[p] = data[p with p[axis] replaced by indices[p]].
+
+    Built as a gather from the flattened data at linear offsets sum_k coord_k * stride_k, with
+    coordinates from iota (and the indices on ``axis``).
+    """
+    r = data.type.rank
+    ax = normalize_axis(axis, r)
+    if indices.type.rank != r:
+        raise ShapeError(f"indices of rank {indices.type.rank} for data of rank {r}")
+    st = _strides(data.shape)
+    lin = None
+    for k in range(r):
+        coord = _wrap(b, indices, data.shape[k]) if k == ax else b.iota(shape=indices.shape, axis=k, dtype="int64")
+        term = b.mul(coord, scalar(b, st[k], "int64")) if st[k] != 1 else coord
+        lin = term if lin is None else b.add(lin, term)
+    flat = reshape(b, data, (data.type.size,))
+    return b.gather(flat, lin, axis=0)
+
+
+def gather_nd(b, data, indices, batch_dims: int = 0):
+    """ONNX GatherND: index tuples in the last dim of ``indices`` select slices of ``data``."""
+    q = indices.shape[-1] if indices.type.rank else 0
+    bd = batch_dims
+    if indices.type.rank < 1 or q > data.type.rank - bd or indices.shape[:bd] != data.shape[:bd]:
+        raise ShapeError(f"GatherND indices {indices.shape} do not fit data {data.shape} with "
+                         f"batch_dims={bd}")
+    lead = indices.shape[:-1]
+    rest = data.shape[bd + q:]
+    st = _strides(data.shape[:bd + q])
+    lin = scalar(b, 0, "int64")
+    for k in range(bd):
+        lin = b.add(lin, b.mul(b.iota(shape=lead, axis=k, dtype="int64"), scalar(b, st[k], "int64")))
+    for j in range(q):
+        col = slice_(b, indices, [j], [j + 1], [indices.type.rank - 1])
+        col = reshape(b, _wrap(b, col, data.shape[bd + j]), lead)
+        lin = b.add(lin, b.mul(col, scalar(b, st[bd + j], "int64")))
+    lin = b.broadcast_to(lin, shape=lead) if lin.shape != tuple(lead) else lin
+    flat = reshape(b, data, (int(np.prod(data.shape[:bd + q])),) + tuple(rest))
+    return b.gather(flat, lin, axis=0)

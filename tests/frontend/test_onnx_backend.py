@@ -97,7 +97,7 @@ OPS = [
     "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
     "xor", "group_normalization", "lrn", "l1normalization", "l2normalization", "lpnormalization",
     "shrink", "tril", "triu", "argmax", "argmin", "hardmax", "onehot", "cumsum", "depthtospace",
-    "spacetodepth", "round", "einsum", "resize", "upsample", "convtranspose", "mod", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
+    "spacetodepth", "round", "einsum", "resize", "upsample", "convtranspose", "mod", "gathernd", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
 ]
 
 backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
@@ -115,7 +115,6 @@ EXCLUDE = {
     r"float8|FLOAT8|e4m3|e5m2|float4|FLOAT4": "float8/float4 are not supported",
     r"string|STRING": "string tensors are not supported",
     # other op types whose test names start like a supported op's
-    r"^test_gather_elements_": "GatherElements is a different op, not converted",
     r"^test_split_to_sequence_": "SplitToSequence produces a sequence, not converted",
     r"^test_identity_(opt|sequence)_": "optional and sequence types are not supported",
     # semantics apollo_py does not implement
