@@ -97,7 +97,8 @@ OPS = [
     "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
     "xor", "group_normalization", "lrn", "l1normalization", "l2normalization", "lpnormalization",
     "shrink", "tril", "triu", "argmax", "argmin", "hardmax", "onehot", "cumsum", "depthtospace",
-    "spacetodepth", "round", "einsum", "resize", "upsample", "convtranspose", "mod", "gathernd", "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
+    "spacetodepth", "round", "einsum", "resize", "upsample", "convtranspose", "mod", "gathernd",
+    "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
 ]
 
 backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
@@ -126,27 +127,6 @@ EXCLUDE = {
     r"^test_training_dropout": "training-mode Dropout draws random masks",
     r"^test_PReLU_\dd_multiparam_": "opset-6 PRelu (1-D per-channel slope); supported opsets are 9-22",
 }
-
-
-def _scalar_inputs_work() -> bool:
-    """Whether CompiledGraph accepts 0-d inputs (its input binding once turned () into (1,))."""
-    b = apollo_py.GraphBuilder("probe")
-    x = b.input("x", ())
-    try:
-        apollo_py.jit(b.build([b.neg(x)]), target="reference")(np.float32(1))
-        return True
-    except apollo_py.InputError:
-        return False
-
-
-if not _scalar_inputs_work():
-    # bug outside the front end: apollo_py/api.py binds inputs with np.ascontiguousarray, which
-    # returns shape (1,) for a 0-d array, so these models (scalar min/max/bias/exponent inputs)
-    # are rejected with InputError.  Applies only while that bug is present.
-    EXCLUDE[r"^test_clip_(default_m(in|ax)_|example_|inbounds_|min_greater_than_max_|outbounds_"
-            r"|splitbounds_)?(expanded_)?cpu$"] = "0-d inputs rejected by api._bind"
-    EXCLUDE[r"^test_(gemm_default_scalar_bias|pow_bcast_scalar)_cpu$"] = "0-d inputs rejected by api._bind"
-
 for _pattern in EXCLUDE:
     backend_test.exclude(_pattern)
 
