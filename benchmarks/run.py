@@ -294,11 +294,15 @@ def machine_info(roof) -> dict:
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "apollo_py"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = ", plus uncommitted changes under apollo_py/" if dirty else ""
     except Exception:  # noqa: BLE001
-        commit = "?"
+        commit, dirty = "?", ""
     return {"cpu": _cpu_model(), "cores": os.cpu_count(), "loadavg_start": _loadavg(), "python": platform.python_version(),
             "numpy": np.__version__, "onnxruntime": ort.__version__, "apollo_py": ap_ver,
-            "git": commit, "blas": roofline.blas_info(), "removed_env": _REMOVED_BLAS_ENV,
+            "git": commit, "dirty": dirty, "triad_method": roof.detail.get("triad", {}).get("method", "?"),
+            "blas": roofline.blas_info(), "removed_env": _REMOVED_BLAS_ENV,
             "triad_gbps": roof.bw_gbps, "triad_by_threads": roof.detail.get("triad", {}).get("by_threads"),
             "sgemm_gflops": roof.sgemm_gflops, "sgemm_n": roof.detail.get("sgemm_n"),
             "sgemm_best_gflops": roof.detail.get("sgemm_best_gflops")}
@@ -316,16 +320,14 @@ def _blas_line(b: dict) -> str:
 
 def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = ["# Benchmark results", ""]
-    if args.label:
-        lines += [f"**{args.label}**", ""]
+    lines = [f"## {args.label or f'target={args.target}'}", ""]
     lines += [
         f"- Date: {date}; run took {elapsed_s:.0f} s",
         f"- Command: `{command}`",
         f"- apollo_py target: `{args.target}`; rounds: {args.rounds}; quick: {args.quick}",
         f"- Machine: {minfo['cpu']}, {minfo['cores']} cores; Python {minfo['python']}",
         f"- Versions: numpy {minfo['numpy']}, onnxruntime {minfo['onnxruntime']}, "
-        f"apollo_py {minfo['apollo_py']} (git {minfo['git']})",
+        f"apollo_py {minfo['apollo_py']} (git {minfo['git']}{minfo['dirty']})",
         f"- BLAS: {_blas_line(minfo['blas'])}",
         f"- Load average (1/5/15 min) at start: {minfo['loadavg_start']}, at end: {_loadavg()} "
         "(the machine is shared; other processes add noise)",
@@ -336,7 +338,8 @@ def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
                      + " from this benchmark process's environment before loading numpy")
     by = minfo["triad_by_threads"] or {}
     lines += [
-        f"- Roofline at the start of the run: triad {minfo['triad_gbps']:.2f} GB/s (3 x 64 MB arrays, best of "
+        f"- Roofline at the start of the run: triad {minfo['triad_gbps']:.2f} GB/s "
+        f"({minfo['triad_method']}, 3 x 64 MB arrays, best of "
         + ", ".join(f"{k} thread(s): {v:.2f}" for k, v in by.items())
         + f"); numpy sgemm {minfo['sgemm_n']}^3 float32 {minfo['sgemm_gflops']:.1f} GFLOP/s median "
         f"(best run {minfo['sgemm_best_gflops']:.1f})",
@@ -353,7 +356,11 @@ def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
     ]
     if notes:
         lines += ["Notes:", ""] + notes + [""]
-    path.write_text("\n".join(lines))
+    section = "\n".join(lines)
+    if args.append and path.exists():
+        path.write_text(path.read_text().rstrip("\n") + "\n\n" + section)
+    else:
+        path.write_text("# Benchmark results\n\n" + section)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,7 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="cpu", help='apollo_py target (default "cpu")')
     ap.add_argument("--quick", action="store_true", help="small sizes, short samples (smoke run)")
     ap.add_argument("--write-results", action="store_true", help="rewrite benchmarks/RESULTS.md")
-    ap.add_argument("--label", default="", help="a line put at the top of RESULTS.md")
+    ap.add_argument("--label", default="", help="the heading of this run's section in RESULTS.md")
+    ap.add_argument("--append", action="store_true",
+                    help="with --write-results: add this run as a new section instead of rewriting")
     ap.add_argument("--native-blas", action="store_true",
                     help="unset OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for this process only")
     ap.add_argument("--json", metavar="PATH", help="also dump raw results (all samples) as JSON")
