@@ -24,14 +24,17 @@ def main(name: str = "mlp") -> None:
         path = os.path.join(tmp, f"{name}.onnx")
         with open(path, "wb") as f:
             f.write(model.SerializeToString())
-        compiled = apollo_py.jit(path, target="reference")
+        compiled = apollo_py.jit(path, target="cpu")            # generated LLVM kernels
+        oracle = apollo_py.jit(path, target="reference")        # the numpy oracle
     print(f"model {name!r}: inputs {[s.name + ':' + s.describe() for s in compiled.program.inputs]}, "
           f"outputs {compiled.output_names}")
     feeds = example_inputs(model, {"N": 4, "B": 2, "S": 6}, seed=0)
     outputs = compiled.run(**feeds)
+    expected = oracle.run(**feeds)
     for out_name, y in zip(compiled.output_names, outputs):
         head = np.array2string(y.reshape(-1)[:6], precision=4, separator=", ")
-        print(f"{out_name}: shape {y.shape} {y.dtype}, first values {head}")
+        err = float(np.max(np.abs(y - expected[compiled.output_names.index(out_name)])))
+        print(f"{out_name}: shape {y.shape} {y.dtype}, first values {head}, max |cpu - reference| {err:.2e}")
     print(compiled.plan)
 
 
