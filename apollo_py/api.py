@@ -113,10 +113,8 @@ class CompiledGraph:
         return self.specialization(shapes).plan
 
     def __call__(self, *args, **kwargs):
-        feeds = self._bind(args, kwargs)
-        exe = self.specialization({k: v.shape for k, v in feeds.items()})
-        outs = exe.run(feeds)
-        return outs[0] if len(outs) == 1 else list(outs)
+        outs = self.run(*args, **kwargs)
+        return outs[0] if len(outs) == 1 else outs
 
     def run(self, *args, **kwargs) -> list[np.ndarray]:
         """Like calling the model, but always returns the list of outputs."""

@@ -142,11 +142,9 @@ class GraphBuilder:
 
 def _make_method(opname: str):
     opdef = get_op(opname)
-    single = True
 
     def method(self, *inputs, name: str | None = None, **attrs):
-        outs = self.op(opname, *inputs, name=name, **attrs)
-        return outs[0] if single else outs
+        return self.op(opname, *inputs, name=name, **attrs)[0]
 
     method.__name__ = opname
     method.__doc__ = opdef.doc

@@ -114,7 +114,7 @@ class CpuExecutable:
             self._arenas.release(arena)
 
 
-def compile_kernels(fused: Sequence, options) -> list:
+def compile_kernels(fused: Sequence) -> list:
     """Compile layer-1 kernels with LLVM, several at once (LLVM releases the GIL)."""
     from ..codegen.llvm import compile_llvm
     if not fused:
