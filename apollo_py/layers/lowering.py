@@ -48,6 +48,42 @@ class StepSpec:
         return {"kind": "reference", "ops": [n.op for n in self.nodes], "inputs": list(self.inputs),
                 "outputs": list(self.outputs), "reason": self.reason, "micro_graphs": list(self.micro_graphs)}
 
+    # --- plan.kernels[i] attributes (DESIGN §9): zeros / empty for numpy steps ---
+    @property
+    def parallel_dims(self) -> int:
+        """Depth of the outer band split across threads (0 for a numpy step)."""
+        return self.fused.parallel_dims if self.fused is not None else 0
+
+    @property
+    def tile_sizes(self) -> tuple:
+        """Tiles applied to the parallel band (``()`` = untiled or a numpy step)."""
+        return tuple(self.fused.tile_sizes) if self.fused is not None else ()
+
+    @property
+    def flops(self) -> int:
+        """Estimated floating-point operations of a generated kernel (0 for a numpy step)."""
+        return self.fused.flops if self.fused is not None else 0
+
+    @property
+    def bytes(self) -> int:
+        """Estimated compulsory bytes moved: kernel estimate, or the step's operands' sizes."""
+        return self.fused.bytes if self.fused is not None else 0
+
+    def source(self, kind: str = "llvm") -> str:
+        """Generated source of this step: ``"llvm"`` (unoptimised LLVM IR) or ``"c"`` text.
+
+        A numpy step has no generated source; the text says which numpy reference runs instead.
+        """
+        if kind not in ("llvm", "c"):
+            raise CompileError(f"source kind must be 'llvm' or 'c', not {kind!r}")
+        if self.fused is None:
+            return f"; numpy step, no generated code: {' '.join(n.op for n in self.nodes)} ({self.reason})"
+        if kind == "c":
+            from ..codegen.c import render_c
+            return render_c(self.fused.loop)
+        from ..codegen.llvm import render_llvm
+        return render_llvm(self.fused.loop)
+
     def describe(self) -> str:
         if self.fused is not None:
             f = self.fused
