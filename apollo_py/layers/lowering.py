@@ -66,7 +66,7 @@ class StepSpec:
 
     @property
     def bytes(self) -> int:
-        """Estimated compulsory bytes moved: kernel estimate, or the step's operands' sizes."""
+        """Estimated compulsory bytes a generated kernel moves (0 for a numpy step)."""
         return self.fused.bytes if self.fused is not None else 0
 
     def source(self, kind: str = "llvm") -> str:
