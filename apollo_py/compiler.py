@@ -30,7 +30,7 @@ def compile_graph(graph: Graph, options: Options):
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
 
     specs = lower_micro_graphs(graph, micro_graphs, options)
-    compiled = iter(compile_kernels([s.fused for s in specs if s.fused is not None]))
+    compiled = iter(compile_kernels([s.fused for s in specs if s.fused is not None], options.cache_dir))
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))

@@ -114,13 +114,7 @@ class CpuExecutable:
             self._arenas.release(arena)
 
 
-def compile_kernels(fused: Sequence) -> list:
-    """Compile layer-1 kernels with LLVM, several at once (LLVM releases the GIL)."""
-    from ..codegen.llvm import compile_llvm
-    if not fused:
-        return []
-    if len(fused) == 1:
-        return [compile_llvm(fused[0].loop)]
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(max_workers=min(len(fused), os.cpu_count() or 1)) as ex:
-        return list(ex.map(lambda f: compile_llvm(f.loop), fused))
+def compile_kernels(fused: Sequence, cache_dir: str | None = None) -> list:
+    """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory)."""
+    from ..codegen.cached import compile_all
+    return compile_all([f.loop for f in fused], cache_dir)
