@@ -37,19 +37,24 @@ STEP = "optim.t"
 
 
 def _load_proto(model):
+    """The model's ModelProto, read and checked by the front end's loader: malformed or truncated
+    files and external data outside the model's folder raise ModelLoadError, and external
+    tensors are read in (so the proto is self-contained)."""
     import onnx
+    from ..frontend.onnx import _parse, _resolve_external_data
     if isinstance(model, onnx.ModelProto):
-        return model
+        return _resolve_external_data(model, None)
     if isinstance(model, (bytes, bytearray, memoryview)):
-        try:
-            return onnx.load_from_string(bytes(model))
-        except Exception as e:
-            raise ModelLoadError(f"cannot parse the ONNX model bytes: {e}") from None
+        return _resolve_external_data(_parse(bytes(model), "the model bytes"), None)
     if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
         try:
-            return onnx.load(os.fspath(model))
-        except Exception as e:
-            raise ModelLoadError(f"cannot read ONNX model {os.fspath(model)!r}: {e}") from None
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read ONNX model {path!r}: {e.strerror or e}") from None
+        proto = _parse(data, f"ONNX model file {path!r}")
+        return _resolve_external_data(proto, os.path.dirname(os.path.abspath(path)))
     raise ModelLoadError(f"train_step cannot load a model from a {type(model).__name__}: pass an ONNX "
                          "path, bytes or ModelProto, or an apollo_py Graph")
 

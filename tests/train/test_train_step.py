@@ -197,3 +197,39 @@ def test_errors_name_the_problem():
         step(labels=np.zeros(2, np.int64))
     with pytest.raises(ApolloError, match="needs an ONNX model"):
         step.export_onnx("/tmp/never.onnx")
+
+
+def test_onnx_path_goes_through_the_front_end_loader(tmp_path):
+    """External data is read from the model's folder; a location outside it is refused."""
+    import onnx
+    from apollo_py.errors import ModelLoadError
+    w0 = mlp_weights(sizes=(20, 16, 4))
+    model = mlp_onnx(w0)
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    path = inside / "mlp.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)
+    step = ap.train_step(str(path), optimizer=ap.optim.SGD(lr=0.5))
+    for k in w0:
+        np.testing.assert_array_equal(step.params[k], w0[k])
+    x = np.random.default_rng(0).standard_normal((8, 20)).astype(np.float32)
+    y = np.arange(8) % 4
+    ref = {k: v.copy() for k, v in w0.items()}
+    want, g = mlp_loss_and_grads(ref, x, y)
+    assert step(labels=y, x=x) == pytest.approx(want, rel=1e-4)
+
+    evil = onnx.load(str(path), load_external_data=False)
+    for t in evil.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../outside.bin"
+    (tmp_path / "outside.bin").write_bytes((inside / "weights.bin").read_bytes())
+    evil_path = inside / "evil.onnx"
+    onnx.save_model(evil, str(evil_path))
+    with pytest.raises(ModelLoadError, match="outside"):
+        ap.train_step(str(evil_path))
+    with pytest.raises(ModelLoadError, match="not loaded from a file"):
+        ap.train_step(evil)
+    with pytest.raises(ModelLoadError, match="not a valid ONNX model"):
+        ap.train_step(b"\x00garbage")
