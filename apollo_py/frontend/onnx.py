@@ -26,9 +26,9 @@ from ..ops.registry import get_op
 from . import InputSpec, Program
 
 #: ONNX TensorProto element type -> apollo dtype name (the dtypes apollo_py supports)
-ONNX_DTYPES = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 10: "float16", 11: "float64"}
-_ONNX_TYPE_NAMES = {0: "undefined", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 8: "string",
-                    12: "uint32", 13: "uint64", 14: "complex64", 15: "complex128", 16: "bfloat16",
+ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",
+               9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64"}
+_ONNX_TYPE_NAMES = {0: "undefined", 8: "string", 14: "complex64", 15: "complex128", 16: "bfloat16",
                     17: "float8e4m3fn", 18: "float8e4m3fnuz", 19: "float8e5m2", 20: "float8e5m2fnuz",
                     21: "uint4", 22: "int4", 23: "float4e2m1"}
 

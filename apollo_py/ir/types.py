@@ -1,7 +1,9 @@
 """Tensor types: shapes and dtypes.
 
-apollo_py supports six dtypes, named by strings everywhere in the IR so that types hash and print
-without numpy: float32, float16, float64, int32, int64, bool.
+apollo_py's dtypes are named by strings everywhere in the IR so that types hash and print without
+numpy: float32, float16, float64, the signed integers int8/16/32/64, the unsigned integers
+uint8/16/32/64, and bool.  (ONNX's string, bfloat16, float8/float4, int4/uint4 and complex
+types are not supported: numpy has no native dtype for most of them.)
 """
 from __future__ import annotations
 
@@ -16,12 +18,21 @@ DTYPES: dict[str, type] = {
     "float32": np.float32,
     "float16": np.float16,
     "float64": np.float64,
+    "int8": np.int8,
+    "int16": np.int16,
     "int32": np.int32,
     "int64": np.int64,
+    "uint8": np.uint8,
+    "uint16": np.uint16,
+    "uint32": np.uint32,
+    "uint64": np.uint64,
     "bool": np.bool_,
 }
 FLOAT_DTYPES = frozenset({"float32", "float16", "float64"})
-INT_DTYPES = frozenset({"int32", "int64"})
+SIGNED_DTYPES = frozenset({"int8", "int16", "int32", "int64"})
+UNSIGNED_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64"})
+#: every integer dtype, signed and unsigned (bool is not an integer dtype here)
+INT_DTYPES = SIGNED_DTYPES | UNSIGNED_DTYPES
 
 
 def dtype_name(dtype) -> str:

@@ -115,6 +115,11 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options) -
         later = reads_after[group[-1]]
         nodes = [n for m in members for n in m.nodes]
         first = members[0]
+        why = _no_kernel_reason(nodes, types)
+        if why:
+            ins, outs = _boundary(nodes, graph, later)
+            steps.append(StepSpec(ins, outs, nodes=tuple(nodes), reason=why, micro_graphs=tuple(group)))
+            continue
         if len(members) == 1 and (first.kind == "fallback" or any(n.op in REFERENCE_OPS for n in nodes)):
             ins, outs = _boundary(nodes, graph, later)
             why = "fallback op (onnx.reference)" if first.kind == "fallback" else "no loop-nest lowering for " + \
@@ -135,8 +140,38 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options) -
     return steps
 
 
+def _no_kernel_reason(nodes, types) -> str:
+    """Why ``nodes`` run as a numpy step whatever their ops ("" when a kernel may be tried).
+
+    A zero-size tensor anywhere (empty output, or a reduction over an empty set, whose result
+    is the reduction's identity) has nothing to loop over: the numpy references handle it.
+    A dtype the loop IR has no code for (int8/16, unsigned integers) runs through numpy too.
+    """
+    from ..codegen.loopir import DTYPES as CODEGEN_DTYPES
+    vals = {v for n in nodes for v in (*n.inputs, *n.outputs)}
+    if any(types[v].size == 0 for v in vals):
+        return "zero-size tensor (nothing to loop over; numpy gives the empty result or identity)"
+    bad = sorted({types[v].dtype for v in vals} - set(CODEGEN_DTYPES))
+    if bad:
+        return f"dtype {', '.join(bad)} has no loop-IR code (numpy reference)"
+    return ""
+
+
+def _scalar_constants(graph: Graph, values) -> list:
+    """The graph's single-element ``constant`` nodes producing ``values`` (layer 1 inlines
+    them as immediates, so e.g. ``pow(x, 3)`` becomes two multiplies)."""
+    want = set(values)
+    return [n for n in graph.nodes if n.op == "constant" and n.outputs[0] in want
+            and n.attrs["value"].array.size == 1]
+
+
 def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
     types = graph.types
+    scalars = _scalar_constants(graph, ins)
+    if scalars:
+        inlined = {n.outputs[0] for n in scalars}
+        nodes = [*scalars, *(n for n in nodes if n.op != "constant" or n.outputs[0] not in inlined)]
+        ins = tuple(v for v in ins if v not in inlined)
     try:
         fused = fuse_micro_graph(list(nodes), types, list(ins), list(outs), options)
     except CompileError as e:

@@ -1,4 +1,7 @@
-"""ONNX backend node tests (onnx.backend.test) run through ``apollo_py.jit(..., target="reference")``.
+"""ONNX backend node tests (onnx.backend.test) run through ``apollo_py.jit``, on both targets.
+
+Every case runs twice: through ``target="reference"`` (numpy) and ``target="cpu"`` (LLVM
+kernels); the test classes carry the target in their names (``..._reference`` / ``..._cpu``).
 
 Every op type the ONNX front end converts is included, plain and ``_expanded`` (the function-
 body expansion into simpler ONNX ops).  Cases that cannot pass are excluded below, each with
@@ -39,12 +42,13 @@ def static_inputs(model) -> set[str]:
 
 
 class ApolloRep(onnx.backend.base.BackendRep):
-    """A prepared model: freezes static operands, compiles, returns the outputs in order."""
+    """A prepared model: freezes static operands, compiles for ``target``, returns the outputs."""
 
-    def __init__(self, model):
+    def __init__(self, model, target: str):
         self.model = model
+        self.target = target
         self.frozen = static_inputs(model)
-        self.compiled = None if self.frozen else apollo_py.jit(model, target="reference")
+        self.compiled = None if self.frozen else apollo_py.jit(model, target=target)
 
     def run(self, inputs, **kwargs):
         if isinstance(inputs, np.ndarray):
@@ -65,17 +69,19 @@ class ApolloRep(onnx.backend.base.BackendRep):
                     live.append(arr)
             del m.graph.input[:]
             m.graph.input.extend(keep)
-            compiled = apollo_py.jit(m, target="reference")
+            compiled = apollo_py.jit(m, target=self.target)
         return tuple(compiled.run(*live))
 
 
 class ApolloBackend(onnx.backend.base.Backend):
-    """onnx.backend wrapper around ``apollo_py.jit(model, target="reference")``."""
+    """onnx.backend wrapper around ``apollo_py.jit(model, target=cls.target)``."""
+
+    target = "reference"
 
     @classmethod
     def prepare(cls, model, device="CPU", **kwargs):
         super().prepare(model, device, **kwargs)
-        return ApolloRep(model)
+        return ApolloRep(model, cls.target)
 
     @classmethod
     def supports_device(cls, device):
@@ -101,17 +107,10 @@ OPS = [
     "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
 ]
 
-backend_test = onnx.backend.test.BackendTest(ApolloBackend, __name__)
-for _op in OPS:
-    backend_test.include(rf"^test_{_op}(_.*)?_cpu$")
-# small models exported from PyTorch that ship with onnx (pytorch-operator, pytorch-converted)
-backend_test.include(r"^test_operator_.*_cpu$")
-backend_test.include(r"^test_[A-Z].*_cpu$")
-
 # pattern -> why it cannot pass
 EXCLUDE = {
-    # element types outside apollo_py's six (float32/16/64, int32/64, bool)
-    r"u?int(2|4|8|16)|uint(32|64)|UINT|INT(2|4|8|16)": "integer dtype apollo_py does not support",
+    # element types outside apollo_py's dtypes (see apollo_py/ir/types.py)
+    r"(?i)(^|_)u?int[24](_|$)": "int4/uint4/int2/uint2 have no numpy dtype",
     r"bfloat16|BFLOAT16": "bfloat16 is not supported",
     r"float8|FLOAT8|e4m3|e5m2|float4|FLOAT4": "float8/float4 are not supported",
     r"string|STRING": "string tensors are not supported",
@@ -127,7 +126,21 @@ EXCLUDE = {
     r"^test_training_dropout": "training-mode Dropout draws random masks",
     r"^test_PReLU_\dd_multiparam_": "opset-6 PRelu (1-D per-channel slope); supported opsets are 9-22",
 }
-for _pattern in EXCLUDE:
-    backend_test.exclude(_pattern)
 
-globals().update(backend_test.enable_report().test_cases)
+
+def make_suite(target: str) -> dict:
+    """The backend test classes for ``target``, named ``<onnx class name>_<target>``."""
+    backend = type(f"ApolloBackend_{target}", (ApolloBackend,), {"target": target})
+    suite = onnx.backend.test.BackendTest(backend, __name__)
+    for op in OPS:
+        suite.include(rf"^test_{op}(_.*)?_cpu$")
+    # small models exported from PyTorch that ship with onnx (pytorch-operator, pytorch-converted)
+    suite.include(r"^test_operator_.*_cpu$")
+    suite.include(r"^test_[A-Z].*_cpu$")
+    for pattern in EXCLUDE:
+        suite.exclude(pattern)
+    return {f"{name}_{target}": case for name, case in suite.test_cases.items()}
+
+
+for _target in ("reference", "cpu"):
+    globals().update(make_suite(_target))
