@@ -13,7 +13,8 @@ def _default_cache_dir() -> str:
 class Options:
     """What the compiler may do and where it keeps its files.
 
-    ``target``: "cpu" (LLVM), "c", "cuda" or "reference" (numpy oracle).
+    ``target``: "cpu" (LLVM kernels, the default) or "reference" (numpy oracle, micro-graph by
+    micro-graph).
     ``rules_overlay``: path of a user TOML overlay for the partition rule table.
     ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).
     ``num_threads``: runtime worker threads (None = all cores).
@@ -21,7 +22,7 @@ class Options:
     ``feedback_path``: JSON-lines feedback log (None = ``<cache_dir>/feedback.jsonl``).
     """
 
-    target: str = "reference"
+    target: str = "cpu"
     rules_overlay: str | None = None
     schedule_budget: int = 200_000
     num_threads: int | None = None

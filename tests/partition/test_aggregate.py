@@ -138,7 +138,7 @@ def test_fallback_op_splits_clusters():
     assert summary(g) == [("elementwise", [], ["exp"]), ("fallback", [], ["onnx_op"]),
                           ("elementwise", ["1"], ["neg", "add"])]
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    np.testing.assert_allclose(ap.jit(g)(**feeds), evaluate(g, feeds)[0], rtol=1e-6)
+    np.testing.assert_allclose(ap.jit(g)(**feeds), evaluate(g, feeds)[0], rtol=1e-6, atol=1e-7)  # cpu exp: ~1 ulp
 
 
 def test_fallback_op_in_a_chain_makes_two_clusters():
