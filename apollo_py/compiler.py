@@ -20,6 +20,8 @@ def compile_graph(graph: Graph, options: Options):
 
     if options.target not in TARGETS:
         raise CompileError(f"target {options.target!r} is not available (available: {', '.join(TARGETS)})")
+    from .progress import Progress
+    progress = Progress(graph.name, options.progress)
     graph = preprocess(graph, options)
     micro_graphs = partition(graph, options)
     if options.target == "reference":
@@ -29,9 +31,13 @@ def compile_graph(graph: Graph, options: Options):
     from .layers.lowering import lower_micro_graphs
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
 
-    specs = lower_micro_graphs(graph, micro_graphs, options)
-    compiled = iter(compile_kernels([s.fused for s in specs if s.fused is not None], options.cache_dir))
+    progress.stage("layer 1 fusion", len(micro_graphs))
+    specs = lower_micro_graphs(graph, micro_graphs, options, progress)
+    fused = [s.fused for s in specs if s.fused is not None]
+    progress.stage("LLVM codegen", len(fused))
+    compiled = iter(compile_kernels(fused, options.cache_dir, progress))
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))
+    progress.done()
     return CpuExecutable(graph, steps, plan, options.num_threads)

@@ -20,6 +20,7 @@ class Options:
     ``num_threads``: runtime worker threads (None = all cores).
     ``cache_dir``: piecewise cache and default feedback log location.
     ``feedback_path``: JSON-lines feedback log (None = ``<cache_dir>/feedback.jsonl``).
+    ``progress``: progress lines on stderr for compiles over 2 s (None = only on a terminal).
     """
 
     target: str = "cpu"
@@ -31,6 +32,7 @@ class Options:
     tile_sizes: tuple[int, ...] | None = None
     preprocess: bool = True
     model_name: str = ""
+    progress: bool | None = None
 
     def replace(self, **kw) -> "Options":
         return replace(self, **kw)

@@ -92,7 +92,15 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None):
     return ck
 
 
-def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None) -> list:
-    """Compile ``kernels`` through the cache in ``cache_dir``; one CompiledKernel each, in order."""
+def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None) -> list:
+    """Compile ``kernels`` through the cache in ``cache_dir``; one CompiledKernel each, in order.
+
+    ``progress`` (a :class:`apollo_py.progress.Progress` or None) counts kernels done.
+    """
     cache = piece_cache(cache_dir)
-    return [compile_cached(k, cache) for k in kernels]
+    out = []
+    for k in kernels:
+        out.append(compile_cached(k, cache))
+        if progress is not None:
+            progress.step()
+    return out

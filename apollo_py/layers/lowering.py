@@ -99,8 +99,12 @@ def _boundary(nodes, graph: Graph, later_reads: set) -> tuple[tuple, tuple]:
     return ins, outs
 
 
-def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options) -> list[StepSpec]:
-    """Steps (in execution order) computing ``graph`` from its micro-graphs."""
+def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
+                       progress=None) -> list[StepSpec]:
+    """Steps (in execution order) computing ``graph`` from its micro-graphs.
+
+    ``progress`` (a :class:`apollo_py.progress.Progress` or None) counts micro-graphs done.
+    """
     types = graph.types
     reads_after: list[set] = []
     acc: set = set(graph.outputs)
@@ -111,6 +115,8 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options) -
 
     steps: list[StepSpec] = []
     for group in stitch_groups(micro_graphs, types):
+        if progress is not None:
+            progress.step(len(group))
         members = [micro_graphs[k] for k in group]
         later = reads_after[group[-1]]
         nodes = [n for m in members for n in m.nodes]

@@ -114,7 +114,7 @@ class CpuExecutable:
             self._arenas.release(arena)
 
 
-def compile_kernels(fused: Sequence, cache_dir: str | None = None) -> list:
+def compile_kernels(fused: Sequence, cache_dir: str | None = None, progress=None) -> list:
     """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory)."""
     from ..codegen.cached import compile_all
-    return compile_all([f.loop for f in fused], cache_dir)
+    return compile_all([f.loop for f in fused], cache_dir, progress)
