@@ -1,4 +1,9 @@
-"""C renderer: compiled with the system cc, it must agree with the LLVM back end."""
+"""C renderer: compiled with the system cc, it must agree with the LLVM back end and numpy.
+
+One kernel per op class at least: elementwise (bias+GELU), broadcast, reduction (sum/max over
+each axis form, softmax), window (maxpool), integer/bool, float64 math, float16 storage, and
+the fused epilogue of a matmul as the CPU pipeline generates it.
+"""
 import numpy as np
 import pytest
 
@@ -43,6 +48,7 @@ def test_broadcast_agrees(rng):
     a, b, c = (rng.standard_normal(s).astype(np.float32) for s in (m * n, n, m))
     c_out, l_out = _both(K.broadcast_add_mul(m, n), lambda: [a, b, c, np.empty(m * n, np.float32)])
     np.testing.assert_allclose(c_out[3], l_out[3], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(c_out[3], K.ref_broadcast_add_mul(a, b, c, m, n).ravel(), rtol=1e-6, atol=1e-6)
 
 
 def test_softmax_agrees(rng):
@@ -50,6 +56,7 @@ def test_softmax_agrees(rng):
     x = (rng.standard_normal(rows * cols) * 5).astype(np.float32)
     c_out, l_out = _both(K.softmax_rows(rows, cols), lambda: [x, np.empty_like(x)])
     np.testing.assert_allclose(c_out[1], l_out[1], rtol=2e-6, atol=1e-9)
+    np.testing.assert_allclose(c_out[1], K.ref_softmax(x, rows, cols).ravel(), rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("form", ["all", "x", "y"])
@@ -84,8 +91,9 @@ def test_int_bool_agrees(rng):
     def arrays():
         return [a, b, m, np.empty(n, np.int64), np.empty(n, np.int32), np.empty(n, np.bool_)]
     c_out, l_out = _both(K.int_kernel(n), arrays)
-    for k in (3, 4, 5):
+    for k, want in zip((3, 4, 5), K.ref_int_kernel(a, b, m)):
         np.testing.assert_array_equal(c_out[k], l_out[k])
+        np.testing.assert_array_equal(c_out[k], want)
 
 
 def test_float64_agrees(rng):
@@ -93,6 +101,44 @@ def test_float64_agrees(rng):
     x = rng.standard_normal(n) * 4
     c_out, l_out = _both(K.float64_kernel(n), lambda: [x, np.empty(6 * n)])
     np.testing.assert_allclose(c_out[1], l_out[1], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(c_out[1], K.ref_float64(x), rtol=1e-12, atol=1e-15)
+
+
+def test_fused_matmul_epilogue_agrees(rng):
+    """The epilogue kernel layer 1 fuses after a matmul (scale, bias, relu) in C, LLVM, numpy."""
+    import apollo_py as ap
+    from apollo_py.ir import GraphBuilder
+    b = GraphBuilder()
+    x, w = b.input("x", (24, 40)), b.input("w", (40, 56))
+    bv = rng.standard_normal(56).astype(np.float32)
+    g = b.build([b.relu(b.matmul(x, w) * 0.5 + b.constant(bv))])
+    f = ap.jit(g, target="cpu")
+    kernels = [k.fused for k in f.plan.kernels if k.fused is not None]
+    assert len(kernels) == 1, "the matmul epilogue should be one generated kernel"
+    (fk,) = kernels
+    pg = f.plan.graph
+    consts = {n.outputs[0]: np.asarray(n.attrs["value"].array) for n in pg.nodes if n.op == "constant"}
+    xv = rng.standard_normal((24, 40)).astype(np.float32)
+    wv = rng.standard_normal((40, 56)).astype(np.float32)
+    mm = xv @ wv
+
+    def arrays():
+        out = []
+        for v in fk.param_values:
+            t = pg.types[v]
+            if v in fk.outputs:
+                out.append(np.empty(t.shape, t.np_dtype))
+            elif v in consts:
+                out.append(np.ascontiguousarray(consts[v], dtype=t.np_dtype))
+            else:  # the one computed input is the matmul's result
+                assert t.shape == mm.shape, (v, t)
+                out.append(mm.copy())
+        return out
+    c_out, l_out = _both(fk.loop, arrays)
+    k = list(fk.param_values).index(fk.outputs[-1])
+    np.testing.assert_allclose(c_out[k], l_out[k], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(c_out[k], np.maximum(mm * 0.5 + bv, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(c_out[k], f(xv, wv), rtol=1e-5, atol=1e-5)
 
 
 def test_parallel_chunk_in_c(rng):
