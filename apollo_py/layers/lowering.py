@@ -132,8 +132,17 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 ", ".join(sorted({n.op for n in nodes if n.op in REFERENCE_OPS}))
             steps.append(StepSpec(ins, outs, nodes=tuple(nodes), reason=why, micro_graphs=tuple(group)))
             continue
-        if len(members) == 1 and nodes[0].op in BLAS_OPS:
-            head, epilogue = nodes[:1], nodes[1:]
+        blas = [k for k, n in enumerate(nodes) if n.op in BLAS_OPS]
+        if len(members) == 1 and len(blas) == 1:
+            # nodes before the BLAS op (merged by rule 6, e.g. a relu mask read by the epilogue)
+            # do not depend on it: they join the epilogue kernel, or run first as their own
+            # kernel when the BLAS op reads them
+            prologue, head, epilogue = nodes[:blas[0]], nodes[blas[0]:blas[0] + 1], nodes[blas[0] + 1:]
+            if set(head[0].inputs) & {o for n in prologue for o in n.outputs}:
+                i0, o0 = _boundary(prologue, graph, later | {v for n in nodes[blas[0]:] for v in n.inputs})
+                steps.extend(_fuse(prologue, i0, o0, graph, options, tuple(group), members))
+            else:
+                epilogue = prologue + epilogue
             later_all = later | {v for n in epilogue for v in n.inputs}
             ins, outs = _boundary(head, graph, later_all)
             steps.append(StepSpec(ins, outs, nodes=tuple(head), reason=f"{head[0].op} via numpy BLAS",

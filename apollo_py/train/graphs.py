@@ -78,11 +78,39 @@ def sum_to(b: GraphBuilder, g: Value, shape: Sequence[int]) -> Value:
     for k, d in enumerate(shape):
         if d == 1 and g.shape[lead + k] != 1:
             axes.append(lead + k)
+    if lead and axes == list(range(lead)) and _gemv_worthwhile(g, lead):
+        return _sum_leading(b, g, lead, shape)
     if axes:
         g = b.reduce_sum(g, axes=tuple(axes), keepdims=False)
     if g.shape != shape:
         g = b.reshape(g, shape=shape)
     return g
+
+
+#: a leading-axes sum with at least this many rows and columns becomes a BLAS gemv
+GEMV_MIN_SIDE = 8
+
+
+def _gemv_worthwhile(g: Value, lead: int) -> bool:
+    rows = int(np.prod(g.shape[:lead], dtype=np.int64))
+    cols = int(np.prod(g.shape[lead:], dtype=np.int64))
+    return g.dtype in ("float32", "float64") and rows >= GEMV_MIN_SIDE and cols >= GEMV_MIN_SIDE
+
+
+def _sum_leading(b: GraphBuilder, g: Value, lead: int, shape: tuple) -> Value:
+    """Sum of ``g`` over its ``lead`` leading axes as ``ones(R) @ g.reshape(R, N)``.
+
+    This is the bias gradient of a broadcast add (``db = dy.sum(0)``).  It runs as one BLAS
+    gemv on the compute-bound path; as a reduction over the outer axis, fused after the
+    elementwise producer of ``g``, it walks ``g`` column by column (stride N) and was the
+    largest non-matmul cost of the MLP training step (1.5 ms of 8.8 ms on target="cpu").
+    Expects ``shape == g.shape[lead:]``; returns a value of ``shape``.
+    """
+    rows = int(np.prod(g.shape[:lead], dtype=np.int64))
+    cols = int(np.prod(shape, dtype=np.int64))
+    g2 = g if (lead == 1 and len(shape) == 1) else b.reshape(g, shape=(rows, cols))
+    s = b.matmul(ones(b, (rows,), g.dtype), g2)
+    return s if s.shape == shape else b.reshape(s, shape=shape)
 
 
 def reduce_all(b: GraphBuilder, x: Value) -> Value:
