@@ -474,11 +474,15 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
 
     Lane ``l`` folds the iterations ``lo + l, lo + l + lanes, ...`` of the full blocks in order,
     the tail iterations go to lanes ``0..``, then the lanes are folded left to right into the
-    scalar (the order of ``codegen.templates.lane_reduce``).  Returns ``(stmt, allocs)``;
-    the lane buffers ``allocs`` must be declared at the top of the kernel.
+    scalar (the order of ``codegen.templates.lane_reduce``).  A fold straight into a buffer
+    element (``buf[i] = buf[i] op e``, ``i`` fixed in the loop) is first moved into a scalar
+    accumulator (:func:`_promote_store_reductions`), so it gets the same lanes.  Returns
+    ``(stmt, allocs)``; the lane buffers and accumulators ``allocs`` must be declared at the
+    top of the kernel.
     """
     allocs: list = []
     counter = [0]
+    locals_ = set(locals_)
 
     def visit(s):
         if isinstance(s, L.Block):
@@ -492,8 +496,16 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
         return s
 
     def rewrite(f: L.For):
-        if f.kind != "serial" or not (isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const)) \
-                or f.hi.value - f.lo.value < 2 * lanes:
+        if f.kind != "serial" or not (isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const)):
+            return f
+        pre, f, post = _promote_store_reductions(f, allocs, counter)
+        if pre:
+            locals_.update(x.name for x in allocs if isinstance(x, L.Local))
+        out = rewrite_scalar(f)
+        return L.Block((*pre, out, *post)) if pre else out
+
+    def rewrite_scalar(f: L.For):
+        if f.hi.value - f.lo.value < 2 * lanes:
             return f
         body = list(f.body.stmts) if isinstance(f.body, L.Block) else [f.body]
         if not all(isinstance(x, (L.Assign, L.Store)) for x in body):
@@ -577,3 +589,55 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
         return L.Block(tuple(stmts))
 
     return visit(stmt), allocs
+
+
+def _loads_of(node, buf) -> int:
+    """How many Loads of ``buf`` occur in expression or statement ``node``."""
+    if isinstance(node, L.Load):
+        return (node.buf == buf) + _loads_of(node.index, buf)
+    if isinstance(node, L.Store):
+        return _loads_of(node.index, buf) + _loads_of(node.value, buf)
+    if isinstance(node, L.Assign):
+        return _loads_of(node.value, buf)
+    if isinstance(node, L.Block):
+        return sum(_loads_of(x, buf) for x in node.stmts)
+    return sum(_loads_of(getattr(node, f), buf) for f in ("a", "b", "cond")
+               if isinstance(getattr(node, f, None), L.Expr))
+
+
+def _promote_store_reductions(f: L.For, decls: list, counter: list):
+    """Turn ``buf[i] = buf[i] op e`` in the innermost loop ``f`` (``i`` independent of the loop
+    variable, ``buf`` not otherwise read or written in the loop, ``buf`` stored in its compute
+    dtype) into a scalar accumulator: ``acc = buf[i]`` before the loop, ``acc = acc op e`` in
+    it and ``buf[i] = acc`` after it.  The fold order is unchanged (the accumulator starts
+    from the stored initial value and folds the iterations in order); the lane rewrite then
+    applies as for any scalar fold.  Returns ``(before, loop, after)``; new Locals go to
+    ``decls``."""
+    body = list(f.body.stmts) if isinstance(f.body, L.Block) else [f.body]
+    if not all(isinstance(x, (L.Assign, L.Store)) for x in body):
+        return [], f, []
+    pre, post, new_body = [], [], list(body)
+    for k, x in enumerate(body):
+        if not isinstance(x, L.Store):
+            continue
+        v = x.value
+        if not (isinstance(v, L.Bin) and v.op in _LANE_OPS and isinstance(v.a, L.Load)
+                and v.a.buf == x.buf and v.a.index == x.index):
+            continue
+        if f.var.name in _vars(x.index) or x.buf.dtype != L.compute_dtype(x.buf.dtype):
+            continue
+        if any(isinstance(y, L.Store) and y.buf == x.buf for j, y in enumerate(body) if j != k):
+            continue
+        if sum(_loads_of(y, x.buf) for y in body) != 1 or _loads_of(x.index, x.buf):
+            continue
+        if any(isinstance(y, L.Assign) and y.name in _vars(x.index) for y in body):
+            continue
+        counter[0] += 1
+        acc = L.Local(f"acc_{x.buf.name}_{counter[0]}", x.buf.dtype, L.as_expr(0, x.buf.dtype))
+        decls.append(acc)
+        pre.append(L.Assign(acc.name, v.a))
+        new_body[k] = L.Assign(acc.name, L.Bin(v.op, acc.var, v.b))
+        post.append(L.Store(x.buf, x.index, acc.var))
+    if not pre:
+        return [], f, []
+    return pre, L.For(f.var, f.lo, f.hi, L.Block(tuple(new_body)), f.kind), post
