@@ -92,9 +92,8 @@ class CompiledGraph:
             with self._lock:
                 exe = self._cache.get(key)
                 if exe is None:
-                    from .compiler import compile_graph
-                    graph = self.program.specialize(dict(zip(self.input_names, key)))
-                    exe = compile_graph(graph, self.options)
+                    from .frontend.staged import compile_program
+                    exe = compile_program(self.program, dict(zip(self.input_names, key)), self.options)
                     self._cache[key] = exe
         return exe
 

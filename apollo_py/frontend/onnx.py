@@ -11,7 +11,7 @@ time, so shape arithmetic never reaches the graph.  ``onnx`` itself is imported 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -57,6 +57,7 @@ class OnnxNode:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attrs: Mapping[str, Any]
+    proto: Any = field(default=None, compare=False, repr=False)  # the NodeProto (fallback, bodies)
 
     def describe(self) -> str:
         return f"node {self.name!r} ({self.op_type})"
@@ -226,6 +227,16 @@ def _input_spec(vi) -> InputSpec:
     return InputSpec(vi.name, tuple(dims), dtype)
 
 
+def onnx_nodes(graph) -> tuple[OnnxNode, ...]:
+    """The nodes of GraphProto ``graph`` as OnnxNodes (unnamed nodes get ``<op>_<index>``)."""
+    nodes = []
+    for k, n in enumerate(graph.node):
+        attrs = {a.name: _attr_value(a) for a in n.attribute}
+        nodes.append(OnnxNode(n.op_type, n.domain, n.name or f"{n.op_type}_{k}", tuple(n.input),
+                              tuple(n.output), attrs, n))
+    return tuple(nodes)
+
+
 # --- the program ---------------------------------------------------------------------------------
 
 
@@ -234,32 +245,35 @@ class OnnxProgram(Program):
 
     ``opset`` is the default-domain opset version.  ``specialize(shapes)`` returns the verified
     primitive Graph for concrete input shapes; graph inputs and outputs keep their ONNX names.
+    Nodes without a converter run through onnx.reference (see :mod:`.fallback`); only a node
+    with neither is refused, at load time.
     """
 
     def __init__(self, proto):
         g = proto.graph
-        self.name = g.name or "model"
-        self.opset = 1
+        opset = 1
         for imp in proto.opset_import:
             if imp.domain in ("", "ai.onnx"):
-                self.opset = int(imp.version)
-        self.initializers = {t.name: _tensor_array(t, f"initializer {t.name!r}") for t in g.initializer}
-        self.inputs = tuple(_input_spec(vi) for vi in g.input
-                            if vi.name not in self.initializers)
-        self.outputs = tuple(o.name for o in g.output)
-        nodes = []
-        for k, n in enumerate(g.node):
-            attrs = {a.name: _attr_value(a) for a in n.attribute}
-            nodes.append(OnnxNode(n.op_type, n.domain, n.name or f"{n.op_type}_{k}", tuple(n.input),
-                                  tuple(n.output), attrs))
-        self.nodes = tuple(nodes)
-        from .onnx_ops import CONVERTERS
-
+                opset = int(imp.version)
+        initializers = {t.name: _tensor_array(t, f"initializer {t.name!r}") for t in g.initializer}
+        inputs = tuple(_input_spec(vi) for vi in g.input if vi.name not in initializers)
+        self._setup(g.name or "model", inputs, tuple(o.name for o in g.output), onnx_nodes(g),
+                    initializers, opset)
+        from .fallback import check_supported
         for n in self.nodes:
-            if n.domain not in ("", "ai.onnx"):
-                raise UnsupportedOpError(n.op_type, n.name, f"domain {n.domain!r} is not supported")
-            if n.op_type not in CONVERTERS:
-                raise UnsupportedOpError(n.op_type, n.name, "no ONNX converter for this op type")
+            check_supported(n, self.opset)
+
+    @classmethod
+    def from_parts(cls, name: str, inputs: tuple, outputs: tuple, nodes: tuple,
+                   initializers: Mapping[str, np.ndarray], opset: int) -> "OnnxProgram":
+        """A program over given nodes (a subgraph body, or the rest of a model after a split)."""
+        self = cls.__new__(cls)
+        self._setup(name, tuple(inputs), tuple(outputs), tuple(nodes), initializers, opset)
+        return self
+
+    def _setup(self, name, inputs, outputs, nodes, initializers, opset):
+        self.name, self.inputs, self.outputs = name, inputs, outputs
+        self.nodes, self.initializers, self.opset = nodes, dict(initializers), opset
 
     def _check_shapes(self, shapes: Mapping[str, tuple]) -> dict[str, tuple[int, ...]]:
         out, bound = {}, {}
@@ -277,19 +291,81 @@ class OnnxProgram(Program):
             out[spec.name] = shape
         return out
 
-    def specialize(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
-        """The primitive graph for these input shapes (name -> shape)."""
+    def specialize(self, shapes: Mapping[str, tuple[int, ...]], options=None) -> Graph:
+        """The primitive graph for these input shapes (name -> shape).
+
+        UnsupportedOpError when a node's output shape depends on input data: such a model runs
+        in stages, through :func:`apollo_py.frontend.staged.compile_program` (``jit`` does it).
+        """
+        lowered = self.lower(shapes, options)
+        if lowered.split is not None:
+            n = lowered.split
+            raise UnsupportedOpError(n.op_type, n.name, f"{lowered.split_reason}; a single static graph "
+                                     "cannot express it (apollo_py.jit runs such models in stages)")
+        return lowered.graph
+
+    def lower(self, shapes: Mapping[str, tuple[int, ...]], options=None) -> "Lowered":
+        """Lower the nodes for these shapes, stopping at the first node whose output shape
+        depends on input data (see :class:`Lowered`)."""
+        from .fallback import DataDependent
+
         shapes = self._check_shapes(shapes)
         b = FoldingBuilder(self.name)
         env: dict[str, Value] = {}
         for spec in self.inputs:
             env[spec.name] = b.input(spec.name, shapes[spec.name], spec.dtype)
-        lowering = Lowering(b, env, self.initializers, self.opset)
-        for node in self.nodes:
-            lowering.run(node)
+        lowering = Lowering(b, env, self.initializers, self.opset, options)
+        input_names = [s.name for s in self.inputs]
+        for k, node in enumerate(self.nodes):
+            try:
+                lowering.run(node)
+            except DataDependent as e:
+                return self._split_at(k, e.reason, lowering, input_names)
         outs = [lowering.value(o, f"graph output {o!r}") for o in self.outputs]
         sources = {o: lowering.bound_by.get(o, "") for o in self.outputs}
-        return finalize(b, [s.name for s in self.inputs], list(zip(self.outputs, outs)), sources)
+        return Lowered(finalize(b, input_names, list(zip(self.outputs, outs)), sources))
+
+    def _split_at(self, k: int, reason: str, lowering: "Lowering", input_names: list) -> "Lowered":
+        """The head graph computing what nodes ``k:`` read, and the constants they read."""
+        from .control_flow import node_captures
+
+        later = set(self.outputs)
+        for n in self.nodes[k:]:
+            later.update(i for i in n.inputs if i)
+            if n.proto is not None:
+                later.update(node_captures(n.proto))
+        head_outs, consts = [], {}
+        for name in sorted(later):
+            v = lowering.env.get(name)
+            if v is None or name in input_names:
+                continue  # graph inputs are fed directly, initializers read by the rest itself
+            arr = lowering.b.const_value(v)
+            if arr is not None:
+                consts[name] = arr
+            else:
+                head_outs.append((name, v))
+        graph = None
+        if head_outs:
+            sources = {o: lowering.bound_by.get(o, "") for o, _ in head_outs}
+            graph = finalize(lowering.b, input_names, head_outs, sources)
+        return Lowered(graph, self.nodes[k], reason, k, consts)
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """Result of :meth:`OnnxProgram.lower`.
+
+    Without a split, ``graph`` computes the whole model.  With one, ``split`` is the first node
+    whose output shape depends on data (``split_reason`` says why), at ``split_index``;
+    ``graph`` (None when there is nothing to compute) computes the values the remaining nodes
+    read, and ``constants`` holds those that were folded at compile time.
+    """
+
+    graph: Graph | None
+    split: OnnxNode | None = None
+    split_reason: str = ""
+    split_index: int = -1
+    constants: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 class FoldingBuilder(GraphBuilder):
@@ -346,10 +422,13 @@ class FoldingBuilder(GraphBuilder):
 
 
 class Lowering:
-    """State of one specialisation: builder, ONNX name -> Value, initializers, opset."""
+    """State of one specialisation: builder, ONNX name -> Value, initializers, opset, Options
+    (recorded in fallback nodes whose subgraphs are compiled at run time; may be None)."""
 
-    def __init__(self, b: FoldingBuilder, env: dict, initializers: Mapping[str, np.ndarray], opset: int):
+    def __init__(self, b: FoldingBuilder, env: dict, initializers: Mapping[str, np.ndarray], opset: int,
+                 options=None):
         self.b, self.env, self.initializers, self.opset = b, env, initializers, opset
+        self.options = options
         self.bound_by: dict[str, str] = {}  # ONNX value name -> name of the node that produced it
 
     def value(self, name: str, what: str) -> Value:
@@ -364,16 +443,25 @@ class Lowering:
         return v
 
     def run(self, node: OnnxNode) -> None:
-        """Lower one node, binding its outputs; errors are re-raised naming the node."""
-        from .onnx_ops import convert_node
+        """Lower one node, binding its outputs; errors are re-raised naming the node.
+
+        A node without a converter, or whose converter refuses it (UnsupportedOpError, e.g. an
+        operand that is not static), goes to :func:`.fallback.lower_fallback`; that raises
+        :class:`.fallback.DataDependent` when the output shape depends on data.
+        """
+        from .fallback import lower_fallback
+        from .onnx_ops import CONVERTERS, convert_node
 
         if node.domain not in ("", "ai.onnx"):
             raise UnsupportedOpError(node.op_type, node.name, f"domain {node.domain!r} is not supported")
         self.b.set_source(node.name)
         try:
+            if node.op_type not in CONVERTERS:
+                raise UnsupportedOpError(node.op_type, node.name, f"no apollo_py lowering for {node.op_type}")
             outs = convert_node(NodeContext(self, node))
-        except UnsupportedOpError:
-            raise
+        except UnsupportedOpError as e:
+            self.b.set_source(node.name)
+            outs = lower_fallback(NodeContext(self, node), e)
         except ApolloError as e:
             msg = str(e)
             prefix = node.describe()
@@ -515,6 +603,7 @@ def finalize(b: FoldingBuilder, inputs: list[str], outputs: list[tuple[str, Valu
 
     kept = [n.replace(inputs=tuple(rn(i) for i in n.inputs), outputs=tuple(rn(o) for o in n.outputs))
             for n in nodes if id(n) in live]
+    seen.update(o for n in nodes if id(n) in live for o in n.outputs)  # unused outputs of live nodes
     new_types = {rn(k): t for k, t in types.items() if k in seen or k in inputs}
     g = Graph(tuple(inputs), tuple(oname for oname, _ in final), tuple(kept), new_types, b.name)
     return verify(g)

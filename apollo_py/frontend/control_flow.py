@@ -1,0 +1,200 @@
+"""Run one ONNX node through onnx.reference's op class; subgraphs (If/Loop/Scan) through apollo_py.
+
+:func:`op_instance` builds (and caches) the onnx.reference ``OpRun`` of a node.  For a node with
+graph attributes the op class is given :class:`SubgraphRunner` as its evaluator class, so the
+op class keeps the control-flow semantics (which branch, how many iterations, how scan slices
+and carried state move) while every body is compiled by apollo_py, recursively, with the same
+Options as the enclosing model, specialised on the concrete shapes it is called with and cached
+per shape (a Loop body compiles once and then runs compiled on every iteration).
+
+Outer-scope values a body reads (lexical capture) are found by :func:`captured_names`
+(recursively through nested bodies); the op class passes them in its ``context`` and the runner
+feeds them to the compiled body as extra inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import ApolloError, InputError, UnsupportedOpError
+
+CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def options_key(options) -> tuple:
+    """Options as a hashable tuple of (field, value) pairs (stored in ``onnx_op`` attributes)."""
+    if options is None:
+        return ()
+    return tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
+
+
+def options_from_key(key: tuple):
+    from ..options import Options
+    return Options(**dict(key)) if key else Options()
+
+
+def captured_names(graph) -> list[str]:
+    """Names a GraphProto reads from its enclosing scopes (nested subgraphs included), in order."""
+    import onnx
+
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    known |= {t.name for t in graph.sparse_initializer}
+    out: dict[str, None] = {}
+
+    def need(name):
+        if name and name not in known:
+            out.setdefault(name)
+
+    for node in graph.node:
+        for i in node.input:
+            need(i)
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                for c in captured_names(a.g):
+                    need(c)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    for c in captured_names(g):
+                        need(c)
+        known.update(o for o in node.output if o)
+    for o in graph.output:
+        need(o.name)
+    return list(out)
+
+
+def node_captures(node) -> list[str]:
+    """Outer-scope names read by the subgraphs of NodeProto ``node`` (empty for plain ops)."""
+    import onnx
+
+    out: dict[str, None] = {}
+    for a in node.attribute:
+        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+        for g in graphs:
+            for c in captured_names(g):
+                out.setdefault(c)
+    return list(out)
+
+
+class SubgraphRunner:
+    """Stands in for onnx.reference's evaluator of a subgraph; runs it compiled by apollo_py.
+
+    Constructed by the op class like ``ReferenceEvaluator(graph, opsets=..., ...)``;
+    ``run(None, feeds)`` takes the body inputs and the captured outer values from ``feeds`` and
+    returns the body outputs as a list.  One compiled specialisation per input shapes/dtypes.
+    """
+
+    def __init__(self, graph, opsets=None, verbose=0, new_ops=None, functions=None, *,
+                 options=None, opset: int = 0):
+        from .onnx import onnx_nodes, _tensor_array
+
+        self.graph = graph
+        self.obj = SimpleNamespace(graph=graph)  # onnx.reference reads .obj.graph in error paths
+        self.input_names = [i.name for i in graph.input]
+        self.output_names = [o.name for o in graph.output]
+        self.captures = [c for c in captured_names(graph) if c not in self.input_names]
+        self.has_linked_attribute = False
+        self.options = options
+        self.opset = int(opset or (opsets or {}).get("", 0) or 0)
+        self._nodes = onnx_nodes(graph)
+        self._inits = {t.name: _tensor_array(t, f"subgraph {graph.name!r} initializer") for t in graph.initializer}
+        self._cache: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        self.last_plan = None
+
+    def _executable(self, names: list[str], arrays: list[np.ndarray]):
+        from ..ir.types import DTYPES
+        from . import InputSpec
+        from .onnx import OnnxProgram
+        from .staged import compile_program
+
+        key = tuple((a.shape, a.dtype.name) for a in arrays)
+        exe = self._cache.get(key)
+        if exe is None:
+            with self._lock:
+                exe = self._cache.get(key)
+                if exe is None:
+                    for n, a in zip(names, arrays):
+                        if a.dtype.name not in DTYPES:
+                            raise InputError(f"subgraph {self.graph.name!r}: value {n!r} has dtype "
+                                             f"{a.dtype.name}, which apollo_py does not support")
+                    specs = tuple(InputSpec(n, tuple(a.shape), a.dtype.name) for n, a in zip(names, arrays))
+                    prog = OnnxProgram.from_parts(self.graph.name or "body", specs, tuple(self.output_names),
+                                                  self._nodes, self._inits, self.opset)
+                    exe = compile_program(prog, {s.name: s.dims for s in specs}, self.options)
+                    self._cache[key] = exe
+        self.last_plan = exe.plan
+        return exe
+
+    def run(self, output_names, feeds: Mapping[str, Any], attributes=None, **_kw) -> list:
+        names = self.input_names + self.captures
+        missing = [n for n in names if n not in feeds or feeds[n] is None]
+        if missing:
+            raise InputError(f"subgraph {self.graph.name!r} needs {missing}, which the enclosing "
+                             "graph does not provide")
+        arrays = [np.asarray(feeds[n]) for n in names]
+        exe = self._executable(names, arrays)
+        outs = list(exe.run(dict(zip(names, arrays))))
+        if output_names is not None:
+            by_name = dict(zip(self.output_names, outs))
+            return [by_name[n] for n in output_names]
+        return outs
+
+
+@lru_cache(maxsize=512)
+def op_instance(node_hex: str, domain: str, opset: int, options: tuple = ()):
+    """(OpRun instance, NodeProto) for a serialised node; bodies run through SubgraphRunner."""
+    import onnx
+    from onnx.reference.ops import load_op
+
+    node = onnx.NodeProto()
+    node.ParseFromString(bytes.fromhex(node_hex))
+    try:
+        cls = load_op(domain, node.op_type, opset)
+    except Exception as e:
+        raise UnsupportedOpError(node.op_type, node.name, f"no lowering and no onnx.reference "
+                                 f"implementation ({type(e).__name__})") from None
+    opts = options_from_key(options)
+
+    def evaluator(graph, opsets=None, verbose=0, new_ops=None, functions=None):
+        return SubgraphRunner(graph, opsets, verbose, new_ops, functions, options=opts, opset=opset)
+
+    run_params = {"log": lambda *a: None, "opsets": {domain: opset, "": opset}, "verbose": 0,
+                  "new_ops": None, "existing_functions": {}, "evaluator_cls": evaluator}
+    return cls(node, run_params), node
+
+
+def run_op(op, node, present: Sequence[np.ndarray], context: Mapping[str, np.ndarray]) -> list:
+    """Run OpRun ``op`` of NodeProto ``node`` on its present inputs (absent ones become None).
+
+    ``context`` holds the captured outer-scope values of a control-flow node.  An absent Loop
+    condition means "true" (onnx.reference would treat None as false and never iterate).
+    """
+    it = iter(present)
+    args = [next(it) if name else None for name in node.input]
+    if node.op_type == "Loop" and len(args) > 1 and args[1] is None:
+        args[1] = np.array(True)
+    kw = {"context": dict(context)} if op.need_context() else {}
+    try:
+        outs = op.run(*args, **kw)
+    except ApolloError:
+        raise
+    except Exception as e:
+        raise UnsupportedOpError(node.op_type, node.name, f"onnx.reference failed: {type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+    return [np.asarray(o) for o in outs]
+
+
+def body_plans(op) -> list[tuple[str, Any]]:
+    """(attribute name, plan of its latest compiled specialisation) per subgraph of OpRun ``op``;
+    bodies not run yet are left out."""
+    out = []
+    for name in sorted(getattr(op, "attributes_names_", ())):
+        runner = getattr(op, name, None)
+        if isinstance(runner, SubgraphRunner) and runner.last_plan is not None:
+            out.append((name, runner.last_plan))
+    return out

@@ -1,0 +1,135 @@
+"""Staged execution of models with data-dependent shapes (DESIGN-facing text in the docstring).
+
+A node whose output shape depends on input data (see :mod:`.fallback`, step 4) cannot be part
+of a static primitive graph.  :func:`compile_program` then builds a :class:`StagedExecutable`:
+
+* **head** — the primitive graph of the nodes before the split node, computing exactly the
+  values the rest of the model reads; compiled once for the call's input shapes like any graph;
+* **split node** — run through its onnx.reference op class on the concrete values (control-flow
+  bodies compiled by apollo_py, :mod:`.control_flow`); listed in the plan as ``fallback``;
+* **tail** — the remaining nodes as a new program whose inputs are the values they read, with
+  the shapes just observed; lowered and compiled on first sight of those shapes and cached per
+  shape (a tail may split again).  Values folded to constants in the head stay constants in the
+  tail, so shape arithmetic keeps folding across the split.
+
+The executable is itself one specialisation of the model (per input shapes) in
+:class:`apollo_py.api.CompiledGraph`'s cache; its ``plan`` shows head, split node and the most
+recent tail, and sums their coverage.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import UnsupportedOpError
+from ..ir.types import DTYPES
+
+
+def compile_program(program, shapes: Mapping[str, tuple], options) -> Any:
+    """An executable (``.run(feeds) -> [arrays]``, ``.plan``) of ``program`` at ``shapes``."""
+    from ..compiler import compile_graph
+    from ..options import Options
+
+    options = options if options is not None else Options()
+    lower = getattr(program, "lower", None)
+    if lower is None:
+        return compile_graph(program.specialize(shapes), options)
+    lowered = lower(shapes, options)
+    if lowered.split is None:
+        return compile_graph(lowered.graph, options)
+    return StagedExecutable(program, lowered, options)
+
+
+class StagedExecutable:
+    """Compiled head, one node run through onnx.reference, tail compiled per observed shapes."""
+
+    def __init__(self, program, lowered, options):
+        from ..compiler import compile_graph
+        from .control_flow import node_captures, op_instance, options_key
+
+        self.program, self.options = program, options
+        self.head = compile_graph(lowered.graph, options) if lowered.graph is not None else None
+        self.head_outputs = tuple(lowered.graph.outputs) if lowered.graph is not None else ()
+        self.node, self.reason = lowered.split, lowered.split_reason
+        self.constants = dict(lowered.constants)
+        self.rest = tuple(program.nodes[lowered.split_index + 1:])
+        proto = self.node.proto
+        self.captures = node_captures(proto)
+        self.op, self.proto = op_instance(proto.SerializeToString().hex(), "", program.opset, options_key(options))
+        reads: dict[str, None] = {}
+        for n in self.rest:
+            for i in n.inputs:
+                if i:
+                    reads.setdefault(i)
+            if n.proto is not None:
+                for c in node_captures(n.proto):
+                    reads.setdefault(c)
+        self.reads = tuple(reads)
+        produced = {o for n in self.rest for o in n.outputs if o}
+        # outputs the rest computes come from the tail; the others straight from the values
+        self.tail_outputs = tuple(o for o in program.outputs if o in produced)
+        self._tails: dict[tuple, Any] = {}
+        self._last = None
+        self._lock = threading.Lock()
+
+    def _get(self, name: str, env: Mapping[str, np.ndarray]) -> np.ndarray:
+        if name in env:
+            return env[name]
+        if name in self.constants:
+            return self.constants[name]
+        if name in self.program.initializers:
+            return self.program.initializers[name]
+        raise UnsupportedOpError(self.node.op_type, self.node.name, f"reads {name!r}, which is not available")
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        from .control_flow import run_op
+
+        env = dict(feeds)
+        if self.head is not None:
+            env.update(zip(self.head_outputs, self.head.run(feeds)))
+        present = [self._get(i, env) for i in self.node.inputs if i]
+        context = {c: self._get(c, env) for c in self.captures}
+        outs = run_op(self.op, self.proto, present, context)
+        for name, arr in zip(self.node.outputs, outs):
+            if name:
+                env[name] = arr
+        names = [n for n in self.reads if n in env]
+        arrays = [np.ascontiguousarray(env[n]) for n in names]
+        if self.tail_outputs:
+            env.update(zip(self.tail_outputs, self._tail(names, arrays).run(dict(zip(names, arrays)))))
+        return [np.asarray(self._get(o, env)) for o in self.program.outputs]
+
+    def _tail(self, names: list[str], arrays: list[np.ndarray]):
+        from . import InputSpec
+        from .onnx import OnnxProgram
+
+        key = tuple((n, a.shape, a.dtype.name) for n, a in zip(names, arrays))
+        exe = self._tails.get(key)
+        if exe is None:
+            with self._lock:
+                exe = self._tails.get(key)
+                if exe is None:
+                    for n, a in zip(names, arrays):
+                        if a.dtype.name not in DTYPES:
+                            raise UnsupportedOpError(self.node.op_type, self.node.name,
+                                                     f"value {n!r} has dtype {a.dtype.name}, which apollo_py "
+                                                     "does not support")
+                    specs = tuple(InputSpec(n, tuple(a.shape), a.dtype.name) for n, a in zip(names, arrays))
+                    inits = {**self.program.initializers, **self.constants}
+                    tail = OnnxProgram.from_parts(f"{self.program.name}/after {self.node.name}", specs,
+                                                  self.tail_outputs, self.rest, inits, self.program.opset)
+                    exe = compile_program(tail, {s.name: s.dims for s in specs}, self.options)
+                    self._tails[key] = exe
+        self._last = exe
+        return exe
+
+    @property
+    def plan(self):
+        from ..plan import StagedPlan
+        from .control_flow import body_plans
+        return StagedPlan(bodies=tuple(body_plans(self.op)), head=self.head.plan if self.head is not None else None,
+                          node=(self.node.name, self.node.op_type, self.reason),
+                          tail=self._last.plan if self._last is not None else None,
+                          n_tails=len(self._tails))
