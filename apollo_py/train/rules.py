@@ -115,7 +115,8 @@ _UNARY = {
     "erf": lambda b, x, y, g: b.mul(b.mul(g, scalar(b, 2 / math.sqrt(math.pi), g.dtype)),
                                     b.exp(b.neg(b.mul(x, x)))),
     "sigmoid": lambda b, x, y, g: b.mul(g, b.mul(y, b.sub(scalar(b, 1, g.dtype), y))),
-    "relu": lambda b, x, y, g: b.mul(g, as_float(b, b.gt(x, scalar(b, 0, g.dtype)), g.dtype)),
+    # mask from the output (y > 0 exactly where x > 0): the forward kernel then need not keep x
+    "relu": lambda b, x, y, g: b.mul(g, as_float(b, b.gt(y, scalar(b, 0, g.dtype)), g.dtype)),
 }
 
 
@@ -194,6 +195,21 @@ def _swap_last(b, v):
     return b.transpose(v, perm=tuple(range(r - 2)) + (r - 1, r - 2))
 
 
+def _product_t(b, p, q, transpose_left: bool):
+    """``swap(p) @ q`` (``transpose_left``) or ``p @ swap(q)``, whichever materialises fewer
+    transposed elements: ``swap(p) @ q == swap(swap(q) @ p)``, so the other form transposes
+    ``q`` and the (batched) result instead of ``p``.  With a small class count the weight
+    gradient ``swap(a) @ g`` of a (B, H) @ (H, C) product then transposes (B, C) and (H, C)
+    arrays, not the (B, H) activation."""
+    t, other = (p, q) if transpose_left else (q, p)
+    out_shape = tuple(np.broadcast_shapes(p.shape[:-2], q.shape[:-2]))
+    out_shape += (p.shape[-1], q.shape[-1]) if transpose_left else (p.shape[-2], q.shape[-2])
+    if other.type.size + int(np.prod(out_shape, dtype=np.int64)) < t.type.size:
+        flipped = b.matmul(_swap_last(b, q), p) if transpose_left else b.matmul(q, _swap_last(b, p))
+        return _swap_last(b, flipped)
+    return b.matmul(_swap_last(b, p), q) if transpose_left else b.matmul(p, _swap_last(b, q))
+
+
 def _matmul(b, node, xs, y, g, needs):
     a, c = xs
     a2 = b.reshape(a, shape=(1,) + a.shape) if len(a.shape) == 1 else a
@@ -205,11 +221,11 @@ def _matmul(b, node, xs, y, g, needs):
         g2 = b.reshape(g, shape=full)
     ga = gc = None
     if needs[0]:
-        ga = sum_to(b, b.matmul(g2, _swap_last(b, c2)), a2.shape)
+        ga = sum_to(b, _product_t(b, g2, c2, transpose_left=False), a2.shape)
         if ga.shape != a.shape:
             ga = b.reshape(ga, shape=a.shape)
     if needs[1]:
-        gc = sum_to(b, b.matmul(_swap_last(b, a2), g2), c2.shape)
+        gc = sum_to(b, _product_t(b, a2, g2, transpose_left=True), c2.shape)
         if gc.shape != c.shape:
             gc = b.reshape(gc, shape=c.shape)
     return [ga, gc]
