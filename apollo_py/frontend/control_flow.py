@@ -163,6 +163,12 @@ def op_instance(node_hex: str, domain: str, opset: int, options: tuple = ()):
     def evaluator(graph, opsets=None, verbose=0, new_ops=None, functions=None):
         return SubgraphRunner(graph, opsets, verbose, new_ops, functions, options=opts, opset=opset)
 
+    if node.op_type == "Loop" and domain in ("", "ai.onnx"):
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        if body is None:
+            raise UnsupportedOpError("Loop", node.name, "the Loop has no body attribute")
+        return LoopOp(node, evaluator(body)), node
+
     run_params = {"log": lambda *a: None, "opsets": {domain: opset, "": opset}, "verbose": 0,
                   "new_ops": None, "existing_functions": {}, "evaluator_cls": evaluator}
     return cls(node, run_params), node
@@ -176,17 +182,74 @@ def run_op(op, node, present: Sequence[np.ndarray], context: Mapping[str, np.nda
     """
     it = iter(present)
     args = [next(it) if name else None for name in node.input]
-    if node.op_type == "Loop" and len(args) > 1 and args[1] is None:
-        args[1] = np.array(True)
     kw = {"context": dict(context)} if op.need_context() else {}
     try:
         outs = op.run(*args, **kw)
     except ApolloError:
         raise
     except Exception as e:
-        raise UnsupportedOpError(node.op_type, node.name, f"onnx.reference failed: {type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        root = e  # OpRun.run re-wraps errors from bodies as TypeError: report the original
+        while root.__cause__ is not None and not isinstance(root, ApolloError):
+            root = root.__cause__
+        if isinstance(root, ApolloError):
+            raise root from None
+        text = str(root).strip().splitlines()[0] if str(root).strip() else ""
+        raise UnsupportedOpError(node.op_type, node.name, f"onnx.reference failed: {type(root).__name__}: "
+                                 f"{text}") from e
     return [np.asarray(o) for o in outs]
+
+
+class LoopOp:
+    """ONNX Loop with the spec's semantics, its body run by a :class:`SubgraphRunner`.
+
+    Written here rather than taken from onnx.reference, whose Loop concatenates the scan outputs
+    of each iteration (``np.vstack``) instead of stacking them along a new first axis.
+    Absent ``M`` / ``cond`` mean "no trip limit" / "true"; a Loop that runs no iteration
+    returns empty scan outputs when the body declares their shapes, and refuses otherwise.
+    """
+
+    def __init__(self, node, body: SubgraphRunner):
+        self.onnx_node, self.body = node, body
+        self.attributes_names_ = ("body",)
+
+    def need_context(self) -> bool:
+        return True
+
+    def run(self, m, cond, *initial, context=None):
+        body, node = self.body, self.onnx_node
+        n_state = len(initial)
+        n_scan = len(body.output_names) - 1 - n_state
+        trips = None if m is None else int(np.asarray(m).reshape(-1)[0])
+        keep = True if cond is None else bool(np.asarray(cond).reshape(-1)[0])
+        feeds = dict(context or {})
+        state, scans, it = list(initial), [[] for _ in range(n_scan)], 0
+        names = body.input_names
+        while keep and (trips is None or it < trips):
+            feeds[names[0]] = np.array(it, np.int64)
+            feeds[names[1]] = np.array(keep)
+            feeds.update(zip(names[2:], state))
+            outs = body.run(None, feeds)
+            keep = bool(np.asarray(outs[0]).reshape(-1)[0])
+            state = [np.asarray(o) for o in outs[1:1 + n_state]]
+            for k in range(n_scan):
+                scans[k].append(np.asarray(outs[1 + n_state + k]))
+            it += 1
+        stacked = []
+        for k, parts in enumerate(scans):
+            if parts:
+                stacked.append(np.stack(parts))
+                continue
+            stacked.append(self._empty_scan(body.graph.output[1 + n_state + k]))
+        return tuple(state + stacked)
+
+    def _empty_scan(self, vi):
+        from onnx import helper
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape") or not all(d.HasField("dim_value") for d in tt.shape.dim):
+            raise UnsupportedOpError("Loop", self.onnx_node.name, f"the Loop ran no iteration and its body "
+                                     f"does not declare the shape of scan output {vi.name!r}")
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        return np.zeros((0,) + tuple(d.dim_value for d in tt.shape.dim), dtype)
 
 
 def body_plans(op) -> list[tuple[str, Any]]:

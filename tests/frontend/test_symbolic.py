@@ -63,3 +63,39 @@ def test_static_specialisation_checks_shapes():
     assert g.types["x"].shape == (2, 3, 32) and g.types["y"].shape == (2, 3, 32)
     with pytest.raises(InputError):
         prog.specialize({"x": (2, 3, 31)})
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+@pytest.mark.parametrize("make", [make_attention, make_layernorm_gelu])
+def test_batch_and_sequence_dims_two_shapes_both_targets(make, target):
+    """Symbolic batch and sequence dims, two call shapes, each specialised once and reused."""
+    model = make()
+    f = apollo_py.jit(model, target=target)
+    shapes = ({"B": 2, "S": 5, "N": 2}, {"B": 3, "S": 7, "N": 3})
+    for rep in range(2):  # second round reuses both specialisations
+        for dims in shapes:
+            feeds = example_inputs(model, dims, seed=sum(dims.values()))
+            np.testing.assert_allclose(f(**feeds), _ort(model, feeds), rtol=1e-4, atol=1e-5)
+    assert len(f._cache) == 2
+
+
+def test_input_shapes_pins_and_rejects_other_shapes():
+    model = make_layernorm_gelu()
+    f = apollo_py.jit(model, target="reference", input_shapes={"x": (2, 4, 24)})
+    assert f.plan.graph.types["x"].shape == (2, 4, 24)  # the plan exists before any call
+    feeds = example_inputs(model, {"N": 2, "S": 4})
+    np.testing.assert_allclose(f(**feeds), _ort(model, feeds), rtol=1e-4, atol=1e-5)
+    with pytest.raises(InputError, match=r"'x'.*pinned to \(2, 4, 24\)"):
+        f(**example_inputs(model, {"N": 3, "S": 4}))
+    assert len(f._cache) == 1
+
+
+def test_input_shapes_must_name_inputs():
+    with pytest.raises(InputError, match="'nope'"):
+        apollo_py.jit(make_layernorm_gelu(), input_shapes={"nope": (1, 2, 24)})
+
+
+def test_symbolic_plan_needs_a_shape():
+    f = apollo_py.jit(make_layernorm_gelu(), target="reference")
+    with pytest.raises(InputError, match="input_shapes"):
+        f.plan
