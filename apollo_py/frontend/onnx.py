@@ -93,7 +93,7 @@ def load_onnx(model: Any) -> "OnnxProgram":
                              "an onnx.ModelProto or an apollo_py Graph")
     if not proto.HasField("graph"):
         raise ModelLoadError("the ONNX model has no graph (malformed or truncated model)")
-    proto = _resolve_external_data(proto, base_dir)
+    proto, mapped = _map_external_data(proto, base_dir)
     try:
         onnx.checker.check_model(proto)
     except Exception as e:  # checker raises ValidationError and, for odd protos, others
@@ -111,7 +111,7 @@ def load_onnx(model: Any) -> "OnnxProgram":
             proto = inliner.inline_local_functions(proto)
         except Exception as e:
             raise ModelLoadError(f"cannot inline the model's local functions: {e}") from None
-    return OnnxProgram(proto)
+    return OnnxProgram(proto, mapped)
 
 
 def _parse(data: bytes, what: str):
@@ -128,11 +128,13 @@ def _parse(data: bytes, what: str):
     return proto
 
 
-def _external_tensors(proto):
-    """Every TensorProto of the main graph (initializers, Constant attributes) stored externally."""
+def _external_tensors(proto, initializers: bool = True):
+    """Every TensorProto of the main graph (initializers unless told not, Constant attributes)
+    stored externally."""
     import onnx
 
-    out = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    out = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL] \
+        if initializers else []
     for n in proto.graph.node:
         for a in n.attribute:
             if a.HasField("t") and a.t.data_location == onnx.TensorProto.EXTERNAL:
@@ -140,8 +142,82 @@ def _external_tensors(proto):
     return out
 
 
-def _resolve_external_data(proto, base_dir: str | None):
-    """A copy of ``proto`` with external tensor data read in; ModelLoadError on unsafe locations."""
+def _external_location(t, root: str) -> tuple[str, int, int | None]:
+    """(real path, offset, length or None) of external tensor ``t``; ModelLoadError when the
+    location is absolute or resolves (symlinks included) outside the model's folder ``root``."""
+    info = {e.key: e.value for e in t.external_data}
+    loc = info.get("location", "")
+    if not loc or os.path.isabs(loc) or os.path.splitdrive(loc)[0]:
+        raise ModelLoadError(f"tensor {t.name!r}: external data location {loc!r} must be a relative "
+                             "path inside the model's directory")
+    full = os.path.realpath(os.path.join(root, loc))
+    if os.path.commonpath([root, full]) != root:
+        raise ModelLoadError(f"tensor {t.name!r}: external data location {loc!r} resolves outside the "
+                             f"model's directory {root!r}; refusing to read it")
+    try:
+        offset = int(info.get("offset", 0) or 0)
+        length = int(info["length"]) if info.get("length") else None
+    except ValueError as e:
+        raise ModelLoadError(f"tensor {t.name!r}: bad external data offset/length: {e}") from None
+    return full, offset, length
+
+
+def _map_external_data(proto, base_dir: str | None):
+    """(proto, {initializer name: read-only np.memmap}) for a model with external data.
+
+    Externally stored initializers of plain numeric types are memory-mapped from their files,
+    not read: loading a model whose weights exceed 2 GB (which must be external) costs no copy
+    of the weights; the pages are read on use.  The proto is left as it is (small: it holds no
+    weights).  Other external tensors (Constant attributes, exotic element types) are read in
+    by :func:`_resolve_external_data`.  Locations are checked as there.
+    """
+    import onnx
+    from onnx import helper
+
+    external = _external_tensors(proto)
+    if not external:
+        return proto, {}
+    if base_dir is None:
+        raise ModelLoadError("the model refers to external data but was not loaded from a file; "
+                             "load it by path so that the data files can be found")
+    root = os.path.realpath(base_dir)
+    mapped = {}
+    rest = bool(_external_tensors(proto, initializers=False))
+    for t in proto.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        full, offset, length = _external_location(t, root)
+        try:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        except Exception:
+            dtype = None
+        if dtype is None or dtype.kind not in "biuf":
+            rest = True
+            continue
+        shape = tuple(int(d) for d in t.dims)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if length is not None and length != nbytes:
+            raise ModelLoadError(f"tensor {t.name!r}: external data length {length} does not match its "
+                                 f"shape {list(shape)} and type {dtype.name} ({nbytes} bytes)")
+        try:
+            size = os.path.getsize(full)
+        except OSError as e:
+            raise ModelLoadError(f"tensor {t.name!r}: cannot read external data: {e.strerror or e}") from None
+        if offset + nbytes > size:
+            raise ModelLoadError(f"tensor {t.name!r}: external data {os.path.basename(full)!r} is truncated "
+                                 f"({max(size - offset, 0)} of {nbytes} bytes)")
+        if nbytes == 0:
+            mapped[t.name] = np.zeros(shape, dtype)
+        else:
+            mapped[t.name] = np.memmap(full, dtype=dtype.newbyteorder("<"), mode="r", offset=offset, shape=shape)
+    if rest:
+        proto = _resolve_external_data(proto, base_dir, skip=set(mapped))
+    return proto, mapped
+
+
+def _resolve_external_data(proto, base_dir: str | None, skip: set = frozenset()):
+    """A copy of ``proto`` with external tensor data read in (tensors named in ``skip`` are left
+    external); ModelLoadError on unsafe locations."""
     import onnx
 
     if not _external_tensors(proto):
@@ -152,19 +228,12 @@ def _resolve_external_data(proto, base_dir: str | None):
     proto2 = onnx.ModelProto()
     proto2.CopyFrom(proto)
     root = os.path.realpath(base_dir)
-    for t in _external_tensors(proto2):
-        info = {e.key: e.value for e in t.external_data}
-        loc = info.get("location", "")
-        if not loc or os.path.isabs(loc) or os.path.splitdrive(loc)[0]:
-            raise ModelLoadError(f"tensor {t.name!r}: external data location {loc!r} must be a relative "
-                                 "path inside the model's directory")
-        full = os.path.realpath(os.path.join(root, loc))
-        if os.path.commonpath([root, full]) != root:
-            raise ModelLoadError(f"tensor {t.name!r}: external data location {loc!r} resolves outside the "
-                                 f"model's directory {root!r}; refusing to read it")
+    tensors = [t for t in proto2.graph.initializer if t.name not in skip
+               and t.data_location == onnx.TensorProto.EXTERNAL] + _external_tensors(proto2, initializers=False)
+    for t in tensors:
+        full, offset, length = _external_location(t, root)
+        loc = os.path.basename(full)
         try:
-            offset = int(info.get("offset", 0) or 0)
-            length = int(info["length"]) if info.get("length") else None
             with open(full, "rb") as f:
                 f.seek(offset)
                 data = f.read() if length is None else f.read(length)
@@ -249,13 +318,15 @@ class OnnxProgram(Program):
     with neither is refused, at load time.
     """
 
-    def __init__(self, proto):
+    def __init__(self, proto, mapped: Mapping[str, np.ndarray] | None = None):
         g = proto.graph
+        mapped = mapped or {}
         opset = 1
         for imp in proto.opset_import:
             if imp.domain in ("", "ai.onnx"):
                 opset = int(imp.version)
-        initializers = {t.name: _tensor_array(t, f"initializer {t.name!r}") for t in g.initializer}
+        initializers = {t.name: mapped[t.name] if t.name in mapped else _tensor_array(t, f"initializer {t.name!r}")
+                        for t in g.initializer}
         inputs = tuple(_input_spec(vi) for vi in g.input if vi.name not in initializers)
         self._setup(g.name or "model", inputs, tuple(o.name for o in g.output), onnx_nodes(g),
                     initializers, opset)

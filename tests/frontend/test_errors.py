@@ -176,3 +176,36 @@ def test_load_does_not_need_onnx_at_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_external_initializers_are_memory_mapped_not_copied(tmp_path):
+    """Load maps external weights (np.memmap over the data file) and leaves the proto without
+    them, so a model whose weights exceed 2 GB is not held twice; the numbers still match."""
+    import onnx
+
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((16, 8)).astype(np.float32)
+    b1 = rng.standard_normal(8).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm"), helper.make_node("Add", ["h", "b1"], ["y"], name="add")],
+        "ext", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(m, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)
+    f = apollo_py.jit(str(tmp_path / "m.onnx"), target="reference")
+    for name, want in (("w1", w1), ("b1", b1)):
+        arr = f.program.initializers[name]
+        assert isinstance(arr, np.memmap) and not arr.flags.writeable
+        np.testing.assert_array_equal(arr, want)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    np.testing.assert_allclose(f(x), x @ w1 + b1, rtol=1e-5, atol=1e-6)
+
+
+def test_external_data_shorter_than_the_tensor(tmp_path):
+    vals = np.arange(4, dtype=np.float32)
+    (tmp_path / "weights.bin").write_bytes(vals.tobytes()[:8])
+    path = _external_model(tmp_path, "weights.bin", vals)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        apollo_py.jit(str(path), target="reference")
