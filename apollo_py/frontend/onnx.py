@@ -95,7 +95,8 @@ def load_onnx(model: Any) -> "OnnxProgram":
         raise ModelLoadError("the ONNX model has no graph (malformed or truncated model)")
     proto, mapped = _map_external_data(proto, base_dir)
     try:
-        onnx.checker.check_model(proto)
+        # with mapped external data the checker must see the model's path to find the files
+        onnx.checker.check_model(path if mapped else proto)
     except Exception as e:  # checker raises ValidationError and, for odd protos, others
         text = str(e).strip()
         # unknown op types are reported per node (UnsupportedOpError) once the nodes are read;
