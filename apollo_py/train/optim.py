@@ -1,9 +1,13 @@
 """Optimizers written as primitive graphs, following ``torch.optim`` semantics.
 
-An optimizer describes its per-parameter state (:meth:`Optimizer.state_spec`) and appends the
-update of one parameter to a builder (:meth:`Optimizer.update`).  The step count ``t`` (1 at the
-first step) is a float64 rank-0 graph input, so one compiled graph serves every step; bias
-corrections are computed from it in float64 and cast to the parameter dtype.
+An optimizer describes its per-parameter state (:meth:`Optimizer.state_spec`), the per-step
+scalars it needs (:meth:`Optimizer.step_scalars`, computed on the host from the step count
+``t``, 1 at the first step, exactly as torch computes them in Python floats) and appends the
+update of one parameter to a builder (:meth:`Optimizer.update`).  The scalars are graph inputs
+of shape (1,), so one compiled graph serves every step, and the update chains of different
+parameters share no computed value: each stays its own micro-graph and fuses into one kernel
+(a bias correction computed in the graph and shared by all chains tied them into one
+micro-graph that layer 1 split into dozens of kernels).
 
 * :class:`SGD`: ``g += wd*p``; with momentum ``buf = g`` at t = 1, else
   ``buf = momentum*buf + (1-dampening)*g``; ``g = g + momentum*buf`` if nesterov else ``buf``;
@@ -14,6 +18,7 @@ corrections are computed from it in float64 and cast to the parameter dtype.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -35,9 +40,21 @@ class Optimizer:
         """Initial state of one parameter: zeros of its shape and dtype for every slot."""
         return {k: np.zeros_like(param) for k in self.state_spec()}
 
+    def step_scalars(self, t: int) -> dict[str, float | bool]:
+        """Per-step scalars at step ``t`` (1 at the first step), computed on the host.
+
+        A float value reaches :meth:`update` as a (1,) value of the parameter's dtype (the
+        Python float rounded once, as torch does with a Python scalar); a bool as a (1,) bool.
+        The keys must not depend on ``t``.
+        """
+        return {}
+
     def update(self, b: GraphBuilder, p: Value, g: Value, state: Mapping[str, Value],
-               t: Value) -> tuple[Value, dict[str, Value]]:
-        """Append the update of parameter ``p`` with gradient ``g``; return (new p, new state)."""
+               scalars: Mapping[str, Value]) -> tuple[Value, dict[str, Value]]:
+        """Append the update of parameter ``p`` with gradient ``g``; return (new p, new state).
+
+        ``state`` holds the slot values of :meth:`state_spec`, ``scalars`` the values of
+        :meth:`step_scalars` (shape (1,), broadcast against ``p``)."""
         raise NotImplementedError
 
     def _check(self):
@@ -54,11 +71,6 @@ def _lerp(b, start: Value, end: Value, w: float) -> Value:
     if w < 0.5:
         return b.add(start, b.mul(b.sub(end, start), _c(b, w, start)))
     return b.sub(end, b.mul(b.sub(end, start), _c(b, 1 - w, start)))
-
-
-def _t_scalar(b: GraphBuilder, expr: Value, like: Value) -> Value:
-    """Cast a float64 scalar expression of ``t`` to the parameter's dtype."""
-    return expr if like.dtype == "float64" else b.cast(expr, to=like.dtype)
 
 
 @dataclass(frozen=True)
@@ -79,15 +91,17 @@ class SGD(Optimizer):
     def state_spec(self):
         return ("momentum_buffer",) if self.momentum else ()
 
-    def update(self, b, p, g, state, t):
+    def step_scalars(self, t):
+        return {"first": t == 1} if self.momentum else {}
+
+    def update(self, b, p, g, state, scalars):
         if self.weight_decay:
             g = b.add(g, b.mul(p, _c(b, self.weight_decay, p)))
         new_state = {}
         if self.momentum:
             buf = state["momentum_buffer"]
             later = b.add(b.mul(buf, _c(b, self.momentum, p)), b.mul(g, _c(b, 1 - self.dampening, p)))
-            first = b.eq(t, scalar(b, 1.0, t.dtype))
-            buf = b.where(first, g, later)
+            buf = b.where(scalars["first"], g, later)
             new_state["momentum_buffer"] = buf
             g = b.add(g, b.mul(buf, _c(b, self.momentum, p))) if self.nesterov else buf
         return b.sub(p, b.mul(g, _c(b, self.lr, p))), new_state
@@ -115,18 +129,17 @@ class Adam(Optimizer):
             g = b.add(g, b.mul(p, _c(b, self.weight_decay, p)))
         return p, g
 
-    def update(self, b, p, g, state, t):
+    def step_scalars(self, t):
+        b1, b2 = self.betas
+        return {"step_size": self.lr / (1 - b1 ** t), "sqrt_bc2": math.sqrt(1 - b2 ** t)}
+
+    def update(self, b, p, g, state, scalars):
         b1, b2 = self.betas
         p, g = self._decay(b, p, g)
         m = _lerp(b, state["exp_avg"], g, 1 - b1)
         v = b.add(b.mul(state["exp_avg_sq"], _c(b, b2, p)), b.mul(b.mul(g, g), _c(b, 1 - b2, p)))
-        one = scalar(b, 1.0, t.dtype)
-        bc1 = b.sub(one, b.pow(scalar(b, b1, t.dtype), t))
-        bc2 = b.sub(one, b.pow(scalar(b, b2, t.dtype), t))
-        step_size = _t_scalar(b, b.div(scalar(b, self.lr, t.dtype), bc1), p)
-        sqrt_bc2 = _t_scalar(b, b.sqrt(bc2), p)
-        denom = b.add(b.div(b.sqrt(v), sqrt_bc2), _c(b, self.eps, p))
-        new_p = b.sub(p, b.mul(step_size, b.div(m, denom)))
+        denom = b.add(b.div(b.sqrt(v), scalars["sqrt_bc2"]), _c(b, self.eps, p))
+        new_p = b.sub(p, b.mul(scalars["step_size"], b.div(m, denom)))
         return new_p, {"exp_avg": m, "exp_avg_sq": v}
 
 

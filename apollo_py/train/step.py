@@ -10,8 +10,10 @@ Which constants become trainable parameters (unless ``params=`` names them expli
   one element; the parameter is named after the constant's output value.
 
 Parameters become graph inputs; the training graph takes the model inputs, ``labels``, the
-parameters, the optimizer state and the step count ``optim.t`` (float64, 1 at the first step)
-and returns the loss, the new parameters and the new state.  It is specialised per input shape
+parameters, the optimizer state and the optimizer's per-step scalars (``optim.<name>`` for a
+bool, ``optim.<name>.<dtype>`` per parameter dtype for a float; shape (1,), computed on the host
+from the step count by :meth:`Optimizer.step_scalars`) and returns the loss, the new parameters
+and the new state.  It is specialised per input shape
 on the first call with that shape and compiled with :func:`apollo_py.jit`.
 """
 from __future__ import annotations
@@ -33,7 +35,28 @@ from .losses import LOSSES
 from .optim import SGD, Optimizer
 
 LABELS = "labels"
-STEP = "optim.t"
+SCALAR_PREFIX = "optim."
+
+
+def scalar_inputs(optimizer: Optimizer, dtypes, t: int = 1) -> dict[str, np.ndarray]:
+    """Input name -> (1,) array of every per-step scalar of ``optimizer`` at step ``t``, for
+    parameters of the given dtypes (a float scalar once per dtype, a bool once)."""
+    out = {}
+    for k, v in optimizer.step_scalars(t).items():
+        if isinstance(v, (bool, np.bool_)):
+            out[f"{SCALAR_PREFIX}{k}"] = np.array([v], np.bool_)
+        else:
+            for dt in sorted(set(dtypes)):
+                out[f"{SCALAR_PREFIX}{k}.{dt}"] = np.array([v], np.float64).astype(dt)
+    return out
+
+
+def _scalar_values(optimizer: Optimizer, dtype: str, inputs: dict) -> dict:
+    vals = {}
+    for k, v in optimizer.step_scalars(1).items():
+        name = f"{SCALAR_PREFIX}{k}" if isinstance(v, (bool, np.bool_)) else f"{SCALAR_PREFIX}{k}.{dtype}"
+        vals[k] = inputs[name]
+    return vals
 
 
 def _load_proto(model):
@@ -114,12 +137,14 @@ def build_train_graph(forward: Graph, params: Sequence[str], loss: str, optimize
     """The training graph of a forward graph whose inputs include ``params``.
 
     Inputs: forward inputs, ``labels``, optimizer state ``<param>.<slot>`` per parameter,
-    ``optim.t`` (float64, shape (1,)).  Outputs: loss, new parameters (in ``params`` order),
-    new state (same order as the state inputs).  Returns (graph, state input names).
+    the optimizer's per-step scalars (:func:`scalar_inputs`).  Outputs: loss, new parameters
+    (in ``params`` order), new state (same order as the state inputs).  Returns (graph, state
+    input names).
     """
     if loss not in LOSSES:
         raise InputError(f"train_step: unknown loss {loss!r}; choose one of {sorted(LOSSES)}")
-    for name in (LABELS, STEP):
+    scalars = scalar_inputs(optimizer, [forward.types[p].dtype for p in params])
+    for name in (LABELS, *scalars):
         if name in forward.inputs:
             raise InputError(f"train_step: the model has an input named {name!r}, which the "
                              "training step reserves")
@@ -141,15 +166,16 @@ def build_train_graph(forward: Graph, params: Sequence[str], loss: str, optimize
                 raise InputError(f"train_step: optimizer state name {name!r} clashes with a model value")
             state_vals[name] = u.input(name, forward.types[p].shape, forward.types[p].dtype)
             state_names.append(name)
-    # shape (1,), not (): CompiledGraph binds inputs with np.ascontiguousarray, which turns a
-    # rank-0 array into shape (1,)
-    t = u.reshape(u.input(STEP, (1,), "float64"), shape=())
+    # shape (1,), broadcast against each parameter; inputs, not computed values, so that the
+    # update chains of different parameters share no node (each fuses into its own kernel)
+    scalar_vals = {k: u.input(k, a.shape, a.dtype.name) for k, a in scalars.items()}
     vals = replay(u, with_grads, env)
     outs = [vals[o] for o in with_grads.outputs]
     new_params, new_state = [], []
     for p, g in zip(params, outs[1:]):
         st = {slot: state_vals[f"{p}.{slot}"] for slot in optimizer.state_spec()}
-        np_, ns = optimizer.update(u, env[p], g, st, t)
+        np_, ns = optimizer.update(u, env[p], g, st,
+                                   _scalar_values(optimizer, forward.types[p].dtype, scalar_vals))
         new_params.append(np_)
         new_state.extend(ns[slot] for slot in optimizer.state_spec())
     return u.build([outs[0]] + new_params + new_state), state_names
@@ -175,6 +201,7 @@ class TrainStep:
         self.state = {f"{p}.{slot}": arr for p, a in params.items()
                       for slot, arr in optimizer.init_state(a).items()}
         self._model_inputs = [s.name for s in program.inputs if s.name not in params]
+        self._dtypes = [a.dtype.name for a in params.values()]
         self._compiled: dict[tuple, Any] = {}
 
     def graph_for(self, labels: np.ndarray, inputs: Mapping[str, np.ndarray]) -> Graph:
@@ -208,7 +235,7 @@ class TrainStep:
         labels = np.asarray(labels)
         fn = self._compiled_for(labels, inputs)
         feeds = {**inputs, LABELS: labels, **self.params, **self.state,
-                 STEP: np.full((1,), self.t + 1, np.float64)}
+                 **scalar_inputs(self.optimizer, self._dtypes, self.t + 1)}
         outs = fn.run(**feeds)
         n = len(self.params)
         for arr, new in zip(self.params.values(), outs[1:1 + n]):
