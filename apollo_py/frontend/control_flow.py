@@ -196,6 +196,10 @@ def run_op(op, node, present: Sequence[np.ndarray], context: Mapping[str, np.nda
         text = str(root).strip().splitlines()[0] if str(root).strip() else ""
         raise UnsupportedOpError(node.op_type, node.name, f"onnx.reference failed: {type(root).__name__}: "
                                  f"{text}") from e
+    for k, o in enumerate(outs):
+        if not isinstance(o, np.ndarray) and not np.isscalar(o):
+            raise UnsupportedOpError(node.op_type, node.name, f"output {k} is a {type(o).__name__} (an ONNX "
+                                     "sequence, map or optional), which apollo_py does not support")
     return [np.asarray(o) for o in outs]
 
 

@@ -6,9 +6,10 @@ at compile time).  In order:
 
 1. **If with a constant condition** is inlined: the taken branch's nodes are lowered in place
    (they see the enclosing values directly), so nothing of it remains at run time.
-2. **All inputs constant** (including the outer values a subgraph captures): the node is
-   evaluated now through its onnx.reference op class and its outputs become constants
-   (constant folding; NonZero/TopK/Unique of constants included).
+2. **All inputs constant** (including the outer values a subgraph captures) and the op is not
+   a random generator (:data:`NOT_FOLDABLE`): the node is evaluated now through its
+   onnx.reference op class and its outputs become constants (constant folding; NonZero, TopK,
+   Unique of constants included).
 3. **Static output types**: ONNX shape inference (with data propagation, given the concrete
    input shapes and the constant operands) fixes every output's shape and dtype; the node
    becomes one ``onnx_op`` primitive (FALLBACK kind): it splits clusters, runs as its own step
@@ -32,6 +33,11 @@ from ..errors import ApolloError, ShapeError, UnsupportedOpError
 from ..ir.types import TensorType
 from ..ops.fallback import has_reference
 from .control_flow import node_captures, op_instance, options_key, run_op
+
+
+#: ops whose outputs must not be computed once at compile time even when all inputs are constant
+NOT_FOLDABLE = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                          "Bernoulli", "Multinomial"})
 
 
 class DataDependent(Exception):
@@ -95,7 +101,7 @@ def lower_fallback(cx, err: UnsupportedOpError) -> list:
     opts = options_key(lowering.options) if _subgraphs(proto) else ()
     node_hex = proto.SerializeToString().hex()
     consts = [b.const_value(v) for v in values]
-    if all(c is not None for c in consts):
+    if all(c is not None for c in consts) and node.op_type not in NOT_FOLDABLE:
         op, _ = op_instance(node_hex, "", lowering.opset, opts)
         outs = run_op(op, proto, consts[:len(present)], dict(zip(captures, consts[len(present):])))
         return [b.constant(_supported(np.asarray(o), node, k)) if k < len(outs) else None

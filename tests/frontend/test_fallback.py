@@ -163,3 +163,30 @@ def test_op_without_lowering_or_reference_is_refused():
     model = _model([helper.make_node("FrobnicateTensor", ["x"], ["y"], name="frob")], [x], [("y", T.FLOAT)])
     with pytest.raises(UnsupportedOpError, match="'frob'.*FrobnicateTensor.*no onnx.reference"):
         apollo_py.jit(model)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_constant_of_shape_runtime_shape_unique_and_sin(target):
+    x = helper.make_tensor_value_info("x", T.INT64, [2])
+    v = helper.make_tensor_value_info("v", T.FLOAT, [6])
+    nodes = [helper.make_node("ConstantOfShape", ["x"], ["c"], name="cos",
+                              value=helper.make_tensor("val", T.FLOAT, [1], [2.5])),
+             helper.make_node("Sin", ["v"], ["s"], name="sin"),
+             helper.make_node("Unique", ["v"], ["u"], name="uniq", sorted=1),
+             helper.make_node("Exp", ["c"], ["y"], name="exp")]
+    model = _model(nodes, [x, v], [("y", T.FLOAT), ("s", T.FLOAT), ("u", T.FLOAT)])
+    f = apollo_py.jit(model, target=target)
+    for shape in ([2, 3], [4, 1]):
+        _check(f, model, {"x": np.array(shape, np.int64), "v": np.array([3, 1, 3, 2, 1, 0.5], np.float32)})
+    cov = f.plan.coverage
+    assert (cov.compiled, cov.fallback_count) == (1, 3)
+    assert {op for _, op, _ in cov.fallback} == {"ConstantOfShape", "Sin", "Unique"}
+
+
+def test_sequence_values_are_refused_clearly():
+    a = helper.make_tensor_value_info("a", T.FLOAT, [2])
+    nodes = [helper.make_node("SequenceConstruct", ["a", "a"], ["sq"], name="seq"),
+             helper.make_node("ConcatFromSequence", ["sq"], ["y"], name="cat", axis=0)]
+    f = apollo_py.jit(_model(nodes, [a], [("y", T.FLOAT)]))
+    with pytest.raises(UnsupportedOpError, match="'seq'.*sequence"):
+        f(np.ones(2, np.float32))
