@@ -1,0 +1,504 @@
+"""Generated single-precision GEMM for the CPU target: packed panels, a register-blocked
+micro-kernel, and the micro-graph's elementwise epilogue applied per C tile (rule 6).
+
+One :class:`GemmDesc` describes ``C[b] = A[b] @ B[b]`` for ``b`` in a flattened batch, plus
+where A and B come from (a matmul's operands, or a conv's weights and implicit im2col of its
+input) and the epilogue.  :func:`compile_gemm` turns it into machine code through llvmlite:
+
+* ``pack_a`` (loop IR): every A batch into panels of ``MR`` rows, ``[panel][k][MR]``, zero
+  padded; run on the thread pool before the main kernel;
+* ``pack_b`` (loop IR): one column block of B (``NC`` columns, all of K) into panels of
+  ``NR`` columns, ``[panel][k][NR]``; for a conv this is the im2col gather (implicit GEMM);
+* ``epi`` (loop IR): reads one ``MR x NR`` accumulator tile, computes the epilogue chain
+  (layer-1 scalar ops, broadcast operands indexed from the output coordinates) and stores
+  every output value the step must produce; without an epilogue it is the bounded store;
+* the main kernel (LLVM IR text written here): parallel over tiles ``(b, column block,
+  row group)``; per tile it packs B into a 64-byte-aligned scratch, then for every MR-row
+  panel and NR-column panel runs the micro-kernel -- ``MR x NR/VL`` vector accumulators in
+  registers, one broadcast of A and ``NR/VL`` vector loads of B per k, ``llvm.fma`` -- and
+  hands the tile to ``epi``.
+
+The blocking for the Rocket Lake dev box (AVX-512, one 512-bit FMA port per core, 48 KiB L1,
+2 MiB L2): ``VL=16, MR=12, NR=32`` (24 accumulators + 2 B vectors + 1 broadcast of 32 zmm
+registers); a B column block holds at most 512 KiB (``NC = 512 KiB / 4K``) so it stays in L2
+while every A panel streams past it.  Without AVX-512: ``VL=8, MR=6, NR=16`` (AVX2, 16 ymm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Optional
+
+import numpy as np
+
+from apollo_py.codegen import loopir as L
+from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.errors import CompileError
+
+B_BLOCK_BYTES = 512 * 1024
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """Register and cache blocking: vector width ``vl`` (floats), micro-tile ``mr x nr``."""
+
+    vl: int
+    mr: int
+    nr: int
+
+    def nc(self, k: int, n: int) -> int:
+        """Columns per B block: at most ``B_BLOCK_BYTES`` of packed B, a multiple of ``nr``."""
+        cap = max(self.nr, (B_BLOCK_BYTES // (4 * max(1, k))) // self.nr * self.nr)
+        return min(cap, -(-n // self.nr) * self.nr)
+
+
+def host_blocking() -> Blocking:
+    """The blocking for this process's CPU (AVX-512 if present, else AVX2-sized)."""
+    from apollo_py.codegen.llvm import host
+    feats = host().features.split(",")
+    if "+avx512f" in feats:
+        return Blocking(16, 12, 32)
+    return Blocking(8, 6, 16)
+
+
+@dataclass(frozen=True)
+class ConvGeom:
+    """Implicit-GEMM view of a 2-D conv: input ``[n, c, h, w]``, kernel ``kh x kw``."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    group: int
+    kh: int
+    kw: int
+    oh: int
+    ow: int
+    strides: tuple
+    pads: tuple        # (top, left)
+    dilations: tuple
+
+
+@dataclass(frozen=True)
+class EpiOperand:
+    """An epilogue input read from memory: ``shape`` right-aligned to the output shape."""
+
+    value: str
+    dtype: str
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class GemmDesc:
+    """``C[b] (Mk x N) = A[ab(b)] (Mk x K) @ B[bb(b)] (K x N)`` for ``b < batch``.
+
+    ``a_batches``: number of distinct A matrices (``a_index[b]`` picks one); for a matmul
+    ``b_index[b]`` picks B's batch, for a conv ``conv`` describes the implicit im2col and
+    ``b = image * group + g``.  ``out_shape`` is the head's output shape; rows of C are the
+    flattened leading ``row_dims`` dims of it, columns the rest.  ``nodes`` are the epilogue
+    primitives (may be empty), ``operands`` their memory inputs, ``outputs`` the values (head
+    or epilogue outputs, all of ``out_shape``) the step stores, ``head`` the head's value.
+    """
+
+    name: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_batches: int
+    a_index: tuple
+    b_index: tuple
+    out_shape: tuple
+    row_dims: int
+    head: str
+    nodes: tuple = ()
+    operands: tuple = ()
+    outputs: tuple = ()
+    out_dtypes: tuple = ()
+    node_dtypes: tuple = ()     # output dtype of each epilogue node
+    conv: Optional[ConvGeom] = None
+    inline_consts: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ loop-IR parts
+
+
+def _pack_a_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
+    npan = -(-d.m // bl.mr)
+    apk = L.Param("apk", "float32", d.a_batches * npan * d.k * bl.mr)
+    a = L.Param("a", "float32", d.a_batches * d.m * d.k)
+    t, k, r = L.Var("t"), L.Var("k"), L.Var("r")
+    ab, p = t // npan, t % npan
+    i = p * bl.mr + r
+    src = L.Load(a, ab * (d.m * d.k) + L.minimum(i, d.m - 1) * d.k + k)
+    body = L.Store(apk, (t * d.k + k) * bl.mr + r, L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32")))
+    loops = L.for_("t", 0, d.a_batches * npan,
+                   L.for_("r", 0, bl.mr, L.for_("k", 0, d.k, body, "vector"), "serial"), "parallel")
+    return L.Kernel(f"{d.name}_pack_a", (apk, a), loops, "t", d.a_batches * npan)
+
+
+def b_source_size(d: GemmDesc) -> int:
+    """Elements of the B source buffer (matmul right operand, or the conv input)."""
+    if d.conv is not None:
+        g = d.conv
+        return g.n * g.c * g.h * g.w
+    return (max(d.b_index) + 1) * d.k * d.n
+
+
+def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
+    bpk = L.Param("bpk", "float32", nc * d.k)
+    src = L.Param("bsrc", "float32", b_source_size(d))
+    info = L.Param("info", "int64", 2)
+    jp, k, jj = L.Var("jp"), L.Var("k"), L.Var("jj")
+    b, j0 = L.Load(info, L.Const(0)), L.Load(info, L.Const(1))
+    j = j0 + jp * bl.nr + jj
+    zero = L.Const(0.0, "float32")
+    if d.conv is None:
+        val = L.Select(L.lt(j, d.n), L.Load(src, b * (d.k * d.n) + k * d.n + L.minimum(j, d.n - 1)), zero)
+    else:
+        g = d.conv
+        cg = g.c // g.group
+        img, grp = b // g.group, b % g.group
+        ci, kh, kw = k // (g.kh * g.kw), (k // g.kw) % g.kh, k % g.kw
+        oh, ow = j // g.ow, j % g.ow
+        ih = oh * g.strides[0] - g.pads[0] + kh * g.dilations[0]
+        iw = ow * g.strides[1] - g.pads[1] + kw * g.dilations[1]
+        ok = L.land(L.land(L.lt(j, d.n), L.land(L.ge(ih, 0), L.lt(ih, g.h))), L.land(L.ge(iw, 0), L.lt(iw, g.w)))
+        ihc = L.minimum(L.maximum(ih, 0), g.h - 1)
+        iwc = L.minimum(L.maximum(iw, 0), g.w - 1)
+        addr = ((img * g.c + grp * cg + ci) * g.h + ihc) * g.w + iwc
+        val = L.Select(ok, L.Load(src, addr), zero)
+    body = L.Store(bpk, (jp * d.k + k) * bl.nr + jj, val)
+    loops = L.for_("jp", 0, nc // bl.nr, L.for_("k", 0, d.k, L.for_("jj", 0, bl.nr, body, "vector")),
+                   "parallel")
+    return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
+
+
+def _operand_index(op: EpiOperand, out_shape: tuple, row_dims: int, row: L.Expr, col: L.Expr) -> L.Expr:
+    """Flat index into a broadcast operand for output row ``row`` and column ``col``."""
+    rank = len(out_shape)
+    shape = (1,) * (rank - len(op.shape)) + tuple(op.shape)
+    strides, s = [0] * rank, 1
+    for d in range(rank - 1, -1, -1):
+        strides[d] = s if shape[d] != 1 else 0
+        s *= shape[d]
+    idx: L.Expr = L.Const(0)
+
+    def unravel(flat: L.Expr, dims: range) -> L.Expr:
+        acc: L.Expr = L.Const(0)
+        rem = flat
+        for d in reversed(dims):
+            if strides[d]:
+                acc = acc + (rem % out_shape[d]) * strides[d]
+            rem = rem // out_shape[d]
+        return acc
+
+    row_range, col_range = range(0, row_dims), range(row_dims, rank)
+    if any(strides[d] for d in row_range):
+        idx = idx + unravel(row, row_range)
+    if any(strides[d] for d in col_range):
+        if all(shape[d] == out_shape[d] for d in col_range):
+            idx = idx + col      # trailing block is contiguous in the operand
+        else:
+            idx = idx + unravel(col, col_range)
+    return idx
+
+
+def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
+    from apollo_py.poly.ast_to_loopir import scalar_op
+    tile = L.Param("tile", "float32", bl.mr * bl.nr)
+    info = L.Param("info", "int64", 4)
+    ops = [L.Param(f"in{q}", o.dtype, max(1, prod(o.shape))) for q, o in enumerate(d.operands)]
+    outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
+    ii, jj = L.Var("ii"), L.Var("jj")
+    row = L.Load(info, L.Const(0)) * d.m + L.Load(info, L.Const(1)) + ii
+    col = L.Load(info, L.Const(2)) + jj
+    ncols = prod(d.out_shape[d.row_dims:])
+    lin = row * ncols + col
+    stmts = [L.Local("v_head", "float32", L.Load(tile, ii * bl.nr + jj))]
+    env: dict = {d.head: L.Var("v_head", "float32")}
+    for q, o in enumerate(d.operands):
+        env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, d.row_dims, row, col))
+    for name, c in d.inline_consts.items():
+        env[name] = c
+    for q, n in enumerate(d.nodes):
+        args = [env[v] for v in n.inputs]
+        odt = d.node_dtypes[q]
+        e = scalar_op(n, args, [], odt)
+        stmts.append(L.Local(f"v{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+    for q, v in enumerate(d.outputs):
+        stmts.append(L.Store(outs[q], lin, env[v]))
+    inner = L.for_("jj", 0, L.Load(info, L.Const(3)), L.block(*stmts), "vector")
+    loops = L.for_("ii", 0, bl.mr, inner, "parallel")
+    return L.Kernel(f"{d.name}_epi", (tile, info, *ops, *outs), loops, "ii", bl.mr)
+
+
+# ------------------------------------------------------------------ LLVM IR text
+
+
+def _micro_ir(bl: Blocking, k: int) -> str:
+    """``@gemm.micro(a, b, tile)``: ``tile[MR][NR] = sum_k a[k][MR] (x) b[k][NR]``."""
+    vt = f"<{bl.vl} x float>"
+    nv = bl.nr // bl.vl
+    accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
+    lines = ["define internal void @gemm.micro(ptr noalias nocapture readonly %a, "
+             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c) #1 {",
+             "entry:", "  br label %loop", "loop:",
+             "  %k = phi i64 [0, %entry], [%k1, %loop]"]
+    for r, v in accs:
+        lines.append(f"  %acc{r}_{v} = phi {vt} [zeroinitializer, %entry], [%n{r}_{v}, %loop]")
+    lines.append(f"  %bo = mul nuw nsw i64 %k, {bl.nr}")
+    for v in range(nv):
+        lines.append(f"  %bp{v} = getelementptr inbounds float, ptr %b, i64 %bo")
+        if v:
+            lines[-1] = f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}"
+        lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 64")
+    lines.append(f"  %ao = mul nuw nsw i64 %k, {bl.mr}")
+    for r in range(bl.mr):
+        lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r}",
+                  f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
+                  f"  %as{r} = load float, ptr %ap{r}, align 4",
+                  f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
+                  f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
+        for v in range(nv):
+            lines.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, "
+                         f"{vt} %acc{r}_{v})")
+    lines += ["  %k1 = add nuw nsw i64 %k, 1", f"  %kc = icmp ult i64 %k1, {k}",
+              "  br i1 %kc, label %loop, label %exit, !llvm.loop !0", "exit:"]
+    for r, v in accs:
+        off = r * bl.nr + v * bl.vl
+        lines += [f"  %cp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {off}",
+                  f"  store {vt} %n{r}_{v}, ptr %cp{r}_{v}, align 64"]
+    lines += ["  ret void", "}"]
+    return "\n".join(lines)
+
+
+def _table(name: str, values) -> str:
+    vals = ", ".join(f"i64 {int(v)}" for v in values)
+    return f"@{name} = private unnamed_addr constant [{len(values)} x i64] [{vals}]"
+
+
+@dataclass(frozen=True)
+class GemmLayout:
+    """The tile decomposition of the main kernel's parallel loop."""
+
+    nc: int            # columns per B block
+    njc: int           # column blocks
+    mg: int            # row groups
+    pan_per_group: int  # MR-row panels per row group
+    npan_a: int        # MR-row panels per A matrix
+    tiles: int         # batch * njc * mg: the parallel extent
+
+
+def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
+    """Blocks of ``nc`` columns; rows split into groups only when there are fewer than
+    ``4 * threads`` (batch, column block) tiles, keeping at least 4 panels per group."""
+    nc = bl.nc(d.k, d.n)
+    njc = -(-d.n // nc)
+    npan = -(-d.m // bl.mr)
+    want = 4 * max(1, threads)
+    mg = 1
+    if d.batch * njc < want:
+        mg = max(1, min(-(-want // (d.batch * njc)), npan // 4))
+    ppg = -(-npan // mg)
+    mg = -(-npan // ppg)
+    return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg)
+
+
+def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) -> str:
+    n_extra = len(d.operands) + len(d.outputs)
+    a_tab = [ai * lay.npan_a * d.k * bl.mr for ai in d.a_index]
+    b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
+    scratch = lay.nc * d.k * 4
+    scratch = -(-scratch // 64) * 64
+    per_t = lay.njc * lay.mg
+    s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
+         "  %apk = load ptr, ptr %args",
+         "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %bsrc = load ptr, ptr %g1",
+         f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {scratch})",
+         f"  %tile = alloca [{bl.mr * bl.nr} x float], align 64",
+         "  %pinfo = alloca [2 x i64], align 8", "  %einfo = alloca [4 x i64], align 8",
+         "  %pargs = alloca [3 x ptr], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
+         "  store ptr %bscr, ptr %pargs",
+         "  %pa1 = getelementptr ptr, ptr %pargs, i64 1", "  store ptr %bsrc, ptr %pa1",
+         "  %pa2 = getelementptr ptr, ptr %pargs, i64 2", "  store ptr %pinfo, ptr %pa2",
+         "  store ptr %tile, ptr %eargs",
+         "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
+         "  %pi1 = getelementptr i64, ptr %pinfo, i64 1",
+         "  %ei1 = getelementptr i64, ptr %einfo, i64 1",
+         "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
+         "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
+    for q in range(n_extra):
+        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
+              f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
+    s += ["  br label %tcond",
+          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %inext_t]",
+          "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
+          "tbody:",
+          f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
+          f"  %jc = udiv i64 %rem, {lay.mg}", f"  %ig = urem i64 %rem, {lay.mg}",
+          f"  %j0 = mul i64 %jc, {lay.nc}", f"  %nleft = sub i64 {d.n}, %j0",
+          f"  %ncols = call i64 @llvm.smin.i64(i64 %nleft, i64 {lay.nc})",
+          f"  %ncr = add i64 %ncols, {bl.nr - 1}", f"  %npan = udiv i64 %ncr, {bl.nr}",
+          f"  %btp = getelementptr [{len(b_tab)} x i64], ptr @gemm.btab, i64 0, i64 %b",
+          "  %bv = load i64, ptr %btp", "  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
+          f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
+          f"  %atp = getelementptr [{len(a_tab)} x i64], ptr @gemm.atab, i64 0, i64 %b",
+          "  %abase = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
+          f"  %ip0 = mul i64 %ig, {lay.pan_per_group}", f"  %ipe = add i64 %ip0, {lay.pan_per_group}",
+          f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
+          "  br label %icond",
+          "icond:", "  %ip = phi i64 [%ip0, %tbody], [%ipn, %inext]",
+          "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_t",
+          "ibody:",
+          f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
+          f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})",
+          f"  %aoff0 = mul i64 %ip, {d.k * bl.mr}", "  %aoff = add i64 %abase, %aoff0",
+          "  %ap = getelementptr float, ptr %apk, i64 %aoff", "  store i64 %i0, ptr %ei1",
+          "  br label %jcond",
+          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jbody]",
+          "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
+          "jbody:",
+          f"  %boff = mul i64 %jp, {d.k * bl.nr}", "  %bp = getelementptr float, ptr %bscr, i64 %boff",
+          "  call void @gemm.micro(ptr %ap, ptr %bp, ptr %tile)",
+          f"  %jpc = mul i64 %jp, {bl.nr}", "  %jj0 = add i64 %j0, %jpc", "  store i64 %jj0, ptr %ei2",
+          f"  %nl = sub i64 {d.n}, %jj0", f"  %nr = call i64 @llvm.smin.i64(i64 %nl, i64 {bl.nr})",
+          "  store i64 %nr, ptr %ei3",
+          f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)",
+          "  %jpn = add i64 %jp, 1", "  br label %jcond",
+          "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
+          "inext_t:", "  %t1 = add i64 %t, 1", "  br label %tcond",
+          "done:", "  call void @free(ptr %bscr)", "  ret void", "}"]
+    head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}",
+            _table("gemm.atab", a_tab), _table("gemm.btab", b_tab),
+            "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
+            "declare i64 @llvm.smin.i64(i64, i64)",
+            f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
+            f"<{bl.vl} x float>)",
+            f"declare void @{pack_b}(ptr, i64, i64)", f"declare void @{epi}(ptr, i64, i64)"]
+    return "\n".join(head) + "\n" + _micro_ir(bl, d.k) + "\n" + "\n".join(s)
+
+
+# ------------------------------------------------------------------ compile
+
+
+class CompiledGemm:
+    """Machine code of one GEMM: ``pack_a`` and ``main`` follow the pool's kernel ABI.
+
+    ``run(pool, a, bsrc, operands, outputs)`` packs A into a fresh buffer and runs the main
+    kernel over its tiles; ``ir`` is the optimised module text.
+    """
+
+    def __init__(self, desc: GemmDesc, bl: Blocking, lay: GemmLayout, engine, ir: str,
+                 pack_a: L.Kernel, main_params: tuple):
+        self.desc, self.blocking, self.layout = desc, bl, lay
+        self.engine = engine   # owns the machine code
+        self.ir = ir
+        self.pack_a = CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
+        main = L.Kernel(desc.name, main_params, L.Block(), "t", lay.tiles)
+        self.main = CompiledKernelBase(main, engine.get_function_address(desc.name))
+        self.apk_size = pack_a.params[0].size
+
+    def run(self, pool, a: np.ndarray, bsrc: np.ndarray, operands, outputs) -> None:
+        apk = np.empty(self.apk_size, np.float32)
+        pool.run(self.pack_a, [apk, a])
+        pool.run(self.main, [apk, bsrc, *operands, *outputs])
+
+
+def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
+    from apollo_py.codegen.llvm import LLVMPrinter, host
+    h = host()
+    pack_a = _pack_a_kernel(d, bl)
+    pack_b = _pack_b_kernel(d, bl, lay.nc)
+    epi = _epilogue_kernel(d, bl)
+    texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pack_a, pack_b, epi)]
+    main = _main_ir(d, bl, lay, pack_b.name, epi.name)
+    main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
+             f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
+             "!0 = distinct !{!0, !1}\n!1 = !{!\"llvm.loop.unroll.count\", i32 4}\n")
+    return main, texts, (pack_a, pack_b, epi)
+
+
+def render_gemm(d: GemmDesc, threads: int = 2) -> str:
+    """Unoptimised LLVM IR of ``d``: the main kernel and micro-kernel, then the loop-IR parts."""
+    bl = host_blocking()
+    main, texts, _ = _render(d, bl, layout(d, bl, threads))
+    return "\n".join([main, *texts])
+
+
+def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None) -> CompiledGemm:
+    """Generate, optimise (O3) and JIT the kernels of ``d``; ``threads`` shapes the tile
+    decomposition.  Raises CompileError when LLVM
+    rejects the generated text (a bug) or an epilogue op has no scalar lowering."""
+    from apollo_py.codegen.llvm import _compile_lock, _quiet_remarks, host
+    if d.m <= 0 or d.n <= 0 or d.k <= 0 or d.batch <= 0:
+        raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
+                           f"{d.m}x{d.n}x{d.k}")
+    bl = bl or host_blocking()
+    lay = layout(d, bl, threads)
+    h = host()
+    main, texts, (pack_a, pack_b, epi) = _render(d, bl, lay)
+    llvm = h.llvm
+    with _compile_lock:
+        try:
+            mod = llvm.parse_assembly(main)
+            for t in texts:
+                mod.link_in(llvm.parse_assembly(t))
+            mod.verify()
+        except RuntimeError as exc:
+            raise CompileError(f"{d.name}: invalid generated LLVM IR: {exc}") from exc
+        mod.triple = h.triple
+        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pto.loop_vectorization = True
+        pto.slp_vectorization = True
+        pb = llvm.create_pass_builder(h.opt_tm, pto)
+        with _quiet_remarks():
+            pb.getModulePassManager().run(mod, pb)
+        ir = str(mod)
+        engine = llvm.create_mcjit_compiler(mod, h.target_machine())
+        engine.finalize_object()
+    main_params = (pack_a.params[0], pack_b.params[1], *epi.params[2:])
+    return CompiledGemm(d, bl, lay, engine, ir, pack_a, main_params)
+
+
+def matmul_desc(name: str, xs: tuple, ys: tuple, out_shape: tuple, head: str, **epi) -> GemmDesc:
+    """The GEMM of numpy ``matmul`` for operand shapes ``xs @ ys`` (1-D operands promoted);
+    a batch that only A has is folded into its rows."""
+    x2 = (1,) + tuple(xs) if len(xs) == 1 else tuple(xs)
+    y2 = tuple(ys) + (1,) if len(ys) == 1 else tuple(ys)
+    m, k, n = x2[-2], x2[-1], y2[-1]
+    xb, yb = x2[:-2], y2[:-2]
+    batch = tuple(np.broadcast_shapes(xb, yb))
+    nb = prod(batch)
+    rows = prod(out_shape) // n if n else 0
+    row_dims = _row_dims(out_shape, n)
+    if prod(yb) == 1:   # B not batched: fold A's batch into M
+        return GemmDesc(name, 1, nb * m, n, k, 1, (0,), (0,), tuple(out_shape), row_dims, head, **epi)
+    ai = np.broadcast_to(np.arange(prod(xb)).reshape(xb), batch).ravel()
+    bi = np.broadcast_to(np.arange(prod(yb)).reshape(yb), batch).ravel()
+    return GemmDesc(name, nb, m, n, k, prod(xb), tuple(int(v) for v in ai), tuple(int(v) for v in bi),
+                    tuple(out_shape), row_dims, head, **epi)
+
+
+def _row_dims(out_shape: tuple, ncols: int) -> int:
+    """The split of ``out_shape`` whose trailing dims multiply to ``ncols``."""
+    for r in range(len(out_shape), -1, -1):
+        if prod(out_shape[r:]) == ncols:
+            return r
+    raise CompileError(f"no trailing dims of {out_shape} hold {ncols} columns")
+
+
+def conv_desc(name: str, x_shape: tuple, w_shape: tuple, out_shape: tuple, attrs, head: str, **epi) -> GemmDesc:
+    """The implicit GEMM of a 2-D conv (NCHW): per image and group, ``C[Cout/g, OH*OW] =
+    W_g[Cout/g, Cin/g*kh*kw] @ im2col(x)``."""
+    n, c, h, w = x_shape
+    cout, cg, kh, kw = w_shape
+    g = int(attrs["group"])
+    st, pd, dl = tuple(attrs["strides"]), tuple(attrs["pads"]), tuple(attrs["dilations"])
+    oh, ow = out_shape[2], out_shape[3]
+    geom = ConvGeom(n, c, h, w, g, kh, kw, oh, ow, st, (pd[0], pd[1]), dl)
+    mg = cout // g
+    batch = n * g
+    return GemmDesc(name, batch, mg, oh * ow, cg * kh * kw, g, tuple(b % g for b in range(batch)),
+                    tuple(range(batch)), tuple(out_shape), 2, head, conv=geom, **epi)

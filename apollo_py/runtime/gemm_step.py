@@ -1,0 +1,55 @@
+"""Runtime step of a generated GEMM (codegen/gemm.py): a matmul or conv head plus its fused
+elementwise epilogue, run on the executable's thread pool.
+
+``execute(env, pool)`` reads the head's operands and the epilogue's operands from ``env``,
+writes every output value into a fresh array and binds it in ``env``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from ..errors import InputError
+
+
+@dataclass
+class GemmStep:
+    """One generated GEMM: ``compiled`` (CompiledGemm) computing ``outputs`` from ``inputs``."""
+
+    compiled: object
+    inputs: tuple
+    outputs: tuple
+    reason: str
+
+    @staticmethod
+    def build(spec, threads: int | None) -> "GemmStep":
+        """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set)."""
+        import os
+        from ..codegen.gemm import compile_gemm
+        cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1))
+        return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason)
+
+    def execute(self, env: dict, pool) -> None:
+        d = self.compiled.desc
+        a_name, b_name = self.inputs[0], self.inputs[1]
+
+        def arr(v):
+            a = env[v]
+            if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)
+            return a
+
+        if d.conv is not None:      # conv: A is the weight, B the implicit im2col of the input
+            a_name, b_name = b_name, a_name
+        a, b = arr(a_name), arr(b_name)
+        if a.dtype != np.float32 or b.dtype != np.float32:
+            raise InputError(f"generated GEMM {d.name}: operands {a_name!r}, {b_name!r} must be float32, "
+                             f"got {a.dtype}, {b.dtype}")
+        ops = [arr(o.value) for o in d.operands]
+        outs = [np.empty(d.out_shape, dt) for dt in d.out_dtypes]
+        if prod(d.out_shape):
+            self.compiled.run(pool, a, b, ops, outs)
+        for v, o in zip(d.outputs, outs):
+            env[v] = o
