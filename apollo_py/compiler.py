@@ -36,7 +36,9 @@ def compile_graph(graph: Graph, options: Options):
     fused = [s.fused for s in specs if s.fused is not None]
     progress.stage("LLVM codegen", len(fused))
     compiled = iter(compile_kernels(fused, options.cache_dir, progress))
+    from .runtime.gemm_step import GemmStep
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
+             else GemmStep.build(s, options.num_threads) if s.gemm is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))
     progress.done()

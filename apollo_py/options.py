@@ -21,6 +21,8 @@ class Options:
     ``cache_dir``: piecewise cache and default feedback log location.
     ``feedback_path``: JSON-lines feedback log (None = ``<cache_dir>/feedback.jsonl``).
     ``progress``: progress lines on stderr for compiles over 2 s (None = only on a terminal).
+    ``gemm``: float32 matmul kernels: "auto" (generated GEMM or BLAS by the measured size rule
+    in layers/gemm_lowering.py), "generated" (always the generated GEMM) or "blas" (numpy).
     """
 
     target: str = "cpu"
@@ -33,6 +35,7 @@ class Options:
     preprocess: bool = True
     model_name: str = ""
     progress: bool | None = None
+    gemm: str = "auto"
 
     def replace(self, **kw) -> "Options":
         return replace(self, **kw)

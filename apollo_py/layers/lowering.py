@@ -38,8 +38,13 @@ class StepSpec:
     nodes: tuple = ()
     reason: str = ""
     micro_graphs: tuple = field(default=())
+    gemm: object = None     # codegen.gemm.GemmDesc: the generated GEMM runs ``nodes``
 
     def to_dict(self) -> dict:
+        if self.gemm is not None:
+            return {"kind": "gemm", "name": self.gemm.name, "ops": [n.op for n in self.nodes],
+                    "inputs": list(self.inputs), "outputs": list(self.outputs), "reason": self.reason,
+                    "micro_graphs": list(self.micro_graphs)}
         if self.fused is not None:
             d = self.fused.to_dict()
             d["kind"] = "kernel"
@@ -76,6 +81,11 @@ class StepSpec:
         """
         if kind not in ("llvm", "c"):
             raise CompileError(f"source kind must be 'llvm' or 'c', not {kind!r}")
+        if self.gemm is not None:
+            if kind == "c":
+                return f"; generated GEMM {self.gemm.name} has LLVM source only ({self.reason})"
+            from ..codegen.gemm import render_gemm
+            return render_gemm(self.gemm)
         if self.fused is None:
             return f"; numpy step, no generated code: {' '.join(n.op for n in self.nodes)} ({self.reason})"
         if kind == "c":
@@ -85,6 +95,8 @@ class StepSpec:
         return render_llvm(self.fused.loop)
 
     def describe(self) -> str:
+        if self.gemm is not None:
+            return f"gemm   {self.gemm.name}: {' '.join(n.op for n in self.nodes)}  ({self.reason})"
         if self.fused is not None:
             f = self.fused
             return (f"kernel {f.name}: {' '.join(n.op for n in f.nodes)}  [parallel dims {f.parallel_dims}, "
@@ -143,10 +155,15 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 steps.extend(_fuse(prologue, i0, o0, graph, options, tuple(group), members))
             else:
                 epilogue = prologue + epilogue
-            later_all = later | {v for n in epilogue for v in n.inputs}
-            ins, outs = _boundary(head, graph, later_all)
-            steps.append(StepSpec(ins, outs, nodes=tuple(head), reason=f"{head[0].op} via numpy BLAS",
-                                  micro_graphs=tuple(group)))
+            from .gemm_lowering import gemm_spec
+            spec, epilogue, why = gemm_spec(head[0], list(epilogue), graph, later, options, tuple(group))
+            if spec is not None:
+                steps.append(spec)
+            else:
+                later_all = later | {v for n in epilogue for v in n.inputs}
+                ins, outs = _boundary(head, graph, later_all)
+                steps.append(StepSpec(ins, outs, nodes=tuple(head), reason=f"{head[0].op} via numpy: {why}",
+                                      micro_graphs=tuple(group)))
             nodes = epilogue
             if not nodes:
                 continue
@@ -182,7 +199,7 @@ def _scalar_constants(graph: Graph, values) -> list:
 
 def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
     types = graph.types
-    scalars = _scalar_constants(graph, ins)
+    scalars = [] if __import__("os").environ.get("NOSCAL") else _scalar_constants(graph, ins)
     if scalars:
         inlined = {n.outputs[0] for n in scalars}
         nodes = [*scalars, *(n for n in nodes if n.op != "constant" or n.outputs[0] not in inlined)]
