@@ -199,7 +199,7 @@ def _scalar_constants(graph: Graph, values) -> list:
 
 def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
     types = graph.types
-    scalars = [] if __import__("os").environ.get("NOSCAL") else _scalar_constants(graph, ins)
+    scalars = _scalar_constants(graph, ins)
     if scalars:
         inlined = {n.outputs[0] for n in scalars}
         nodes = [*scalars, *(n for n in nodes if n.op != "constant" or n.outputs[0] not in inlined)]

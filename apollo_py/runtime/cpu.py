@@ -43,6 +43,9 @@ class ReferenceStep:
     reason: str
 
 
+#: a kernel moving fewer bytes than this runs on the calling thread (a pool wake-up costs more)
+INLINE_BYTES = 64 * 1024
+
 _POOLS: dict[int, object] = {}
 _POOL_LOCK = threading.Lock()
 
@@ -76,24 +79,82 @@ class CpuExecutable:
         self._arenas = ArenaPool(self.memory, graph.types)
         self._pool = thread_pool(num_threads)
         self.plan = plan
+        self._schedule = self._dispatch_schedule()
+        self._fresh = {v: (graph.types[v].shape, graph.types[v].np_dtype) for s in self.steps
+                       if isinstance(s, KernelStep) for v in s.outputs if v not in self.memory.slots}
+        self._copy_out = tuple(v in self.memory.slots or v in self.constants or v in graph.inputs
+                               for v in graph.outputs)
+
+    def _dispatch_schedule(self) -> list:
+        """Steps in order, consecutive independent kernel steps merged into one dispatch.
+
+        Returns a list of ``("kernels", [KernelStep, ...])`` and ``("step", step)`` entries.
+        Kernel steps are merged (layer 3's parallel stitching, run as one thread-pool job)
+        while no member reads or writes a value another member writes and no member's arena
+        slot overlaps a buffer of another member (the memory plan reuses slots in step
+        order, which a concurrent run must not see).  Tiny kernels (under ``INLINE_BYTES``
+        moved) run on the calling thread without waking the pool.
+        """
+        slots = self.memory.slots
+
+        def ranges(vals):
+            return [(slots[v].offset, slots[v].offset + max(slots[v].nbytes, 1)) for v in vals if v in slots]
+
+        def overlap(a, b):
+            return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
+
+        out: list = []
+        group: list = []
+        for s in self.steps:
+            if isinstance(s, KernelStep):
+                if group:
+                    written = {v for g in group for v in g.outputs}
+                    touched = {v for g in group for v in g.param_values}
+                    ok = (not (set(s.param_values) & written) and not (set(s.outputs) & touched)
+                          and not overlap(ranges(s.outputs), ranges(touched))
+                          and not overlap(ranges(written), ranges(s.param_values)))
+                    if ok:
+                        group.append(s)
+                        continue
+                    out.append(("kernels", group))
+                group = [s]
+                continue
+            if group:
+                out.append(("kernels", group))
+                group = []
+            out.append(("step", s))
+        if group:
+            out.append(("kernels", group))
+        return out
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         env: dict[str, np.ndarray] = dict(self.constants)
         env.update(feeds)
         types = self.graph.types
-        outs = set(self.graph.outputs)
+        pool = self._pool
         arena = self._arenas.acquire()
         try:
-            for s in self.steps:
-                if isinstance(s, KernelStep):
-                    for v in s.outputs:
-                        if v in arena.views:
-                            env[v] = arena.views[v]
+            env.update(arena.views)     # every arena value, written before it is read
+            fresh = self._fresh
+            for kind, item in self._schedule:
+                if kind == "kernels":
+                    for s in item:
+                        for v in s.outputs:
+                            if v in fresh:
+                                env[v] = arena.output_buffer(v, *fresh[v])
+                    if len(item) == 1:
+                        s = item[0]
+                        args = [env[v] for v in s.param_values]
+                        if s.fused is not None and s.fused.bytes < INLINE_BYTES:
+                            s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
                         else:
-                            t = types[v]
-                            env[v] = np.empty(t.shape, t.np_dtype)
-                    args = [env[v] for v in s.param_values]
-                    self._pool.run(s.compiled, args)
+                            pool.run(s.compiled, args)
+                    else:
+                        pool.run_many([(s.compiled, [env[v] for v in s.param_values]) for s in item])
+                    continue
+                s = item
+                if hasattr(s, "execute"):     # a generated GEMM step (runtime/gemm_step.py)
+                    s.execute(env, pool)
                 else:
                     local = {v: env[v] for v in s.inputs}
                     run_nodes(s.nodes, local, types)
@@ -104,11 +165,12 @@ class CpuExecutable:
                             a = np.array(a, order="C")
                         env[v] = a
             result = []
-            for v in self.graph.outputs:
+            for v, copy in zip(self.graph.outputs, self._copy_out):
                 a = env[v]
-                if v in arena.views or v in feeds or v in self.constants:
+                if copy or v in feeds:
                     a = a.copy()
                 result.append(a)
+            arena.keep_outputs({v: a for v, a in zip(self.graph.outputs, result) if v in fresh and a is env[v]})
             return result
         finally:
             self._arenas.release(arena)

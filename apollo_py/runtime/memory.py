@@ -3,10 +3,13 @@
 Steps run in order; an intermediate lives from the step that writes it to the last step that
 reads it.  Intermediates are packed into one arena by greedy best-fit over lifetimes (largest
 first), so buffers whose lifetimes do not overlap share memory.  Graph inputs are the caller's
-arrays; graph outputs are handed out per call (they escape to the user).
+arrays; graph outputs are handed out per call (they escape to the user); an output array the
+caller has already dropped is reused by the next call instead of allocating (and page-faulting)
+a new one.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -91,6 +94,22 @@ class Arena:
             t = types[v]
             raw = self.block[base + s.offset: base + s.offset + s.nbytes]
             self.views[v] = raw.view(t.np_dtype).reshape(t.shape)
+        self._kept: dict[str, np.ndarray] = {}
+
+    def output_buffer(self, value: str, shape, dtype) -> np.ndarray:
+        """A C-contiguous array for graph output ``value``: the array this arena handed out
+        for it last time if nothing else references it any more (already faulted in, so a
+        large output costs no page faults), else a new ``np.empty``."""
+        a = self._kept.pop(value, None)
+        # references: this frame's ``a`` and getrefcount's argument -- nobody else holds it
+        if a is not None and sys.getrefcount(a) == 2 and a.base is None and a.shape == tuple(shape) \
+                and a.dtype == dtype and a.flags.writeable:
+            return a
+        return np.empty(shape, dtype)
+
+    def keep_outputs(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Remember the fresh output arrays handed to the caller, for :meth:`output_buffer`."""
+        self._kept = dict(arrays)
 
 
 class ArenaPool:

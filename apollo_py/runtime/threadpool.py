@@ -19,13 +19,11 @@ from apollo_py.errors import ApolloError, CompileError
 
 
 class _Job:
-    """One ``run`` call: a function, its packed args and the chunk list."""
+    """One dispatch: a list of ``(cfunc, ptrs, lo, hi)`` chunks (of one or several kernels)."""
 
-    __slots__ = ("cfunc", "ptrs", "chunks", "next", "lock", "remaining", "done", "error")
+    __slots__ = ("chunks", "next", "lock", "remaining", "done", "error")
 
-    def __init__(self, cfunc, ptrs, chunks):
-        self.cfunc = cfunc
-        self.ptrs = ptrs
+    def __init__(self, chunks):
         self.chunks = chunks
         self.next = 0
         self.lock = threading.Lock()
@@ -35,15 +33,17 @@ class _Job:
 
     def work(self) -> None:
         """Claim and run chunks until none are left."""
+        chunks = self.chunks
+        n = len(chunks)
         while True:
             with self.lock:
                 k = self.next
-                if k >= len(self.chunks):
+                if k >= n:
                     return
                 self.next = k + 1
-            lo, hi = self.chunks[k]
+            cfunc, ptrs, lo, hi = chunks[k]
             try:
-                self.cfunc(self.ptrs, lo, hi)
+                cfunc(ptrs, lo, hi)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller thread
                 self.error = exc
             with self.lock:
@@ -115,8 +115,37 @@ class ThreadPool:
         if parts <= 1 or self.num_threads == 1 or kernel.parallel_extent is None:
             kernel.cfunc(ptrs, 0, extent)
             return
-        job = _Job(kernel.cfunc, ptrs, self.split(extent, parts))
-        for _ in range(min(parts, self.num_threads) - 1):
+        cfunc = kernel.cfunc
+        self._dispatch([(cfunc, ptrs, lo, hi) for lo, hi in self.split(extent, parts)])
+
+    def run_many(self, items) -> None:
+        """Run several independent kernels as one dispatch (layer 3's parallel stitching).
+
+        ``items`` are ``(kernel, arrays)`` pairs whose kernels neither read nor write each
+        other's outputs; each kernel's parallel loop is cut as in :meth:`run` and the threads
+        claim chunks of all of them from one list, so small kernels share the machine instead
+        of each paying a wake-up.  Returns when all chunks are done; re-raises the first error.
+        """
+        if self._closed:
+            raise ApolloError("ThreadPool.run_many called after close()")
+        chunks = []
+        per = self.num_threads * self.chunks_per_thread
+        for kernel, arrays in items:
+            ptrs = kernel.pack_args(arrays)
+            extent = kernel.parallel_extent
+            if extent is None or extent <= 1 or self.num_threads == 1:
+                chunks.append((kernel.cfunc, ptrs, 0, int(extent or 0)))
+            else:
+                chunks.extend((kernel.cfunc, ptrs, lo, hi) for lo, hi in self.split(extent, min(per, extent)))
+        if self.num_threads == 1 or len(chunks) == 1:
+            for cfunc, ptrs, lo, hi in chunks:
+                cfunc(ptrs, lo, hi)
+            return
+        self._dispatch(chunks)
+
+    def _dispatch(self, chunks) -> None:
+        job = _Job(chunks)
+        for _ in range(min(len(chunks), self.num_threads) - 1):
             self._queue.put(job)
         job.work()
         job.done.wait()
