@@ -468,7 +468,7 @@ def _vars(e) -> set:
 _LANE_OPS = {"add": "sum", "mul": "prod", "max": "max", "min": "min"}
 
 
-def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
+def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int = 256):
     """Rewrite innermost loops that fold into scalar Locals (``s = s op e``) with ``lanes``
     partial accumulators, so that LLVM vectorises them without ``reassoc``.
 
@@ -476,7 +476,12 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
     the tail iterations go to lanes ``0..``, then the lanes are folded left to right into the
     scalar (the order of ``codegen.templates.lane_reduce``).  A fold straight into a buffer
     element (``buf[i] = buf[i] op e``, ``i`` fixed in the loop) is first moved into a scalar
-    accumulator (:func:`_promote_store_reductions`), so it gets the same lanes.  Returns
+    accumulator (:func:`_promote_store_reductions`), so it gets the same lanes.  A perfect
+    two-loop fold ``for j: for l: s = s op e(j, l)`` whose inner extent ``W`` is a multiple of
+    ``lanes`` and at most ``nest_lanes`` gets ``W`` lanes instead: lane ``l`` (lane 0 starting
+    from ``s``) folds ``e(j, l)`` over ``j`` in order, then the ``W`` lanes are folded left to
+    right into ``s`` -- one horizontal fold per nest instead of one per row (a reduction over
+    non-adjacent axes, seed listing 3, streams its rows without it).  Returns
     ``(stmt, allocs)``; the lane buffers and accumulators ``allocs`` must be declared at the
     top of the kernel.
     """
@@ -491,9 +496,68 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
             return L.If(s.cond, visit(s.then), None if s.else_ is None else visit(s.else_))
         if isinstance(s, L.For):
             if _has(s.body, L.For):
+                nest = rewrite_nest(s) if nest_lanes else None
+                if nest is not None:
+                    return nest
                 return L.For(s.var, s.lo, s.hi, visit(s.body), s.kind)
             return rewrite(s)
         return s
+
+    def rewrite_nest(f: L.For):
+        """``for j: for l: s = s op e(j, l)`` (a perfect two-loop fold, the inner extent a
+        multiple of ``lanes`` up to ``nest_lanes``): one lane per inner iteration ``l``, each
+        folding over ``j`` in order, then the lanes folded left to right -- no per-row
+        horizontal fold (listing 3's sum over axes 1 and 3)."""
+        inner = f.body.stmts[0] if isinstance(f.body, L.Block) and len(f.body.stmts) == 1 else f.body
+        if not isinstance(inner, L.For) or _has(inner.body, L.For):
+            return None
+        for g in (f, inner):
+            if g.kind != "serial" or not (isinstance(g.lo, L.Const) and isinstance(g.hi, L.Const)):
+                return None
+        width = inner.hi.value - inner.lo.value
+        if width % lanes or not lanes <= width <= nest_lanes or f.hi.value - f.lo.value < 2:
+            return None
+        pre, inner2, post = _promote_store_reductions(inner, allocs, counter, (f.var.name,))
+        if pre:
+            locals_.update(x.name for x in allocs if isinstance(x, L.Local))
+        body = list(inner2.body.stmts) if isinstance(inner2.body, L.Block) else [inner2.body]
+        reds = _fold_targets(body, inner2.var.name, locals_)
+        if not reds or any(u in reds for u in (_vars(f.lo) | _vars(f.hi))):
+            if pre:      # undo: the plain path handles the store fold on the inner loop
+                del allocs[len(allocs) - len(pre):]
+            return None
+        counter[0] += 1
+        tag = f"{inner.var.name}_{counter[0]}"
+        bufs = {}
+        for name, (op, dt) in reds.items():
+            a = L.Alloc(f"lanes_{name}_{counter[0]}", dt, width)
+            allocs.append(a)
+            bufs[name] = a
+        lane = L.Var(f"l_{tag}")
+        lo = inner.lo.value
+        stmts = list(pre)
+        for name, (op, dt) in reds.items():
+            a = bufs[name]
+            ident = L.as_expr(identity_value(_LANE_OPS[op], dt), dt)
+            stmts.append(L.For(lane, L.Const(0), L.Const(width),
+                               L.Store(a, lane, L.Select(L.eq(lane, 0), L.Var(name, dt), ident)), "vector"))
+        new_body = []
+        for x in body:
+            if isinstance(x, L.Assign) and x.name in reds:
+                a = bufs[x.name]
+                slot = _simplify_add(inner2.var, L.Const(-lo, "int64"))
+                new_body.append(L.Store(a, slot, L.Bin(x.value.op, L.Load(a, slot), x.value.b)))
+            else:
+                new_body.append(x)
+        stmts.append(L.For(f.var, f.lo, f.hi, L.Block((
+            L.For(inner2.var, inner2.lo, inner2.hi, L.Block(tuple(new_body)), "vector"),)), "serial"))
+        for name, (op, dt) in reds.items():
+            a = bufs[name]
+            stmts.append(L.Assign(name, L.Load(a, L.Const(0))))
+            stmts.append(L.For(lane, L.Const(1), L.Const(width),
+                               L.Assign(name, L.Bin(op, L.Var(name, dt), L.Load(a, lane))), "serial"))
+        stmts.extend(post)
+        return L.Block(tuple(stmts))
 
     def rewrite(f: L.For):
         if f.kind != "serial" or not (isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const)):
@@ -508,38 +572,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
         if f.hi.value - f.lo.value < 2 * lanes:
             return f
         body = list(f.body.stmts) if isinstance(f.body, L.Block) else [f.body]
-        if not all(isinstance(x, (L.Assign, L.Store)) for x in body):
-            return f
-        reds, assigned = {}, set()
-        for x in body:
-            if isinstance(x, L.Assign):
-                v = x.value
-                if isinstance(v, L.Bin) and v.op in _LANE_OPS and isinstance(v.a, L.Var) \
-                        and v.a.name == x.name and x.name not in _vars(v.b):
-                    if x.name in reds or x.name in assigned:
-                        return f
-                    reds[x.name] = (v.op, v.a.dtype)
-                    continue
-            used = _vars(x.value) | (_vars(x.index) if isinstance(x, L.Store) else set())
-            if used & set(reds):
-                return f                      # a partial sum read inside the loop
-            if any(u in locals_ and u not in assigned for u in used if u != f.var.name) \
-                    and any(u in reds for u in used):
-                return f
-            if isinstance(x, L.Assign):
-                if x.name in reds:
-                    return f
-                assigned.add(x.name)
-        # a private scalar must be written before it is read in the same iteration
-        seen = set()
-        for x in body:
-            used = _vars(x.value) | (_vars(x.index) if isinstance(x, L.Store) else set())
-            if isinstance(x, L.Assign) and x.name in reds:
-                used = _vars(x.value.b)
-            if any(u in assigned and u not in seen for u in used):
-                return f
-            if isinstance(x, L.Assign):
-                seen.add(x.name)
+        reds = _fold_targets(body, f.var.name, locals_)
         if not reds:
             return f
         counter[0] += 1
@@ -591,6 +624,46 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16):
     return visit(stmt), allocs
 
 
+def _fold_targets(body: list, loop_var: str, locals_: set):
+    """The scalar folds ``s = s op e`` of a loop body that the lane rewrite may split into
+    partial accumulators, as ``{name: (op, dtype)}``; None (or empty) when the body is not
+    only Assigns and Stores, a partial value is read inside the loop, or a private scalar is
+    read before it is written in the iteration."""
+    if not all(isinstance(x, (L.Assign, L.Store)) for x in body):
+        return None
+    reds, assigned = {}, set()
+    for x in body:
+        if isinstance(x, L.Assign):
+            v = x.value
+            if isinstance(v, L.Bin) and v.op in _LANE_OPS and isinstance(v.a, L.Var) \
+                    and v.a.name == x.name and x.name not in _vars(v.b):
+                if x.name in reds or x.name in assigned:
+                    return None
+                reds[x.name] = (v.op, v.a.dtype)
+                continue
+        used = _vars(x.value) | (_vars(x.index) if isinstance(x, L.Store) else set())
+        if used & set(reds):
+            return None                       # a partial sum read inside the loop
+        if any(u in locals_ and u not in assigned for u in used if u != loop_var) \
+                and any(u in reds for u in used):
+            return None
+        if isinstance(x, L.Assign):
+            if x.name in reds:
+                return None
+            assigned.add(x.name)
+    # a private scalar must be written before it is read in the same iteration
+    seen = set()
+    for x in body:
+        used = _vars(x.value) | (_vars(x.index) if isinstance(x, L.Store) else set())
+        if isinstance(x, L.Assign) and x.name in reds:
+            used = _vars(x.value.b)
+        if any(u in assigned and u not in seen for u in used):
+            return None
+        if isinstance(x, L.Assign):
+            seen.add(x.name)
+    return reds
+
+
 def _loads_of(node, buf) -> int:
     """How many Loads of ``buf`` occur in expression or statement ``node``."""
     if isinstance(node, L.Load):
@@ -605,7 +678,7 @@ def _loads_of(node, buf) -> int:
                if isinstance(getattr(node, f, None), L.Expr))
 
 
-def _promote_store_reductions(f: L.For, decls: list, counter: list):
+def _promote_store_reductions(f: L.For, decls: list, counter: list, outer_vars=()):
     """Turn ``buf[i] = buf[i] op e`` in the innermost loop ``f`` (``i`` independent of the loop
     variable, ``buf`` not otherwise read or written in the loop, ``buf`` stored in its compute
     dtype) into a scalar accumulator: ``acc = buf[i]`` before the loop, ``acc = acc op e`` in
@@ -624,7 +697,7 @@ def _promote_store_reductions(f: L.For, decls: list, counter: list):
         if not (isinstance(v, L.Bin) and v.op in _LANE_OPS and isinstance(v.a, L.Load)
                 and v.a.buf == x.buf and v.a.index == x.index):
             continue
-        if f.var.name in _vars(x.index) or x.buf.dtype != L.compute_dtype(x.buf.dtype):
+        if ({f.var.name, *outer_vars} & _vars(x.index)) or x.buf.dtype != L.compute_dtype(x.buf.dtype):
             continue
         if any(isinstance(y, L.Store) and y.buf == x.buf for j, y in enumerate(body) if j != k):
             continue

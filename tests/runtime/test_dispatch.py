@@ -105,3 +105,21 @@ def test_run_many_matches_separate_runs():
             s.compiled([env_b[v] for v in s.param_values])
     for v in outs_a:
         np.testing.assert_array_equal(outs_a[v], outs_b[v])
+
+
+def test_two_loop_fold_uses_one_lane_per_column():
+    # sum over axes (1, 3) of [2, 8, 3, 32]: loops c0, c2 kept; j (axis 1) then l (axis 3)
+    # folded; lane l sums x[:, j, :, l] over j in order, then lanes 0..31 left to right
+    b = ap.GraphBuilder("listing3")
+    x = b.input("x", (2, 8, 3, 32))
+    g = b.build([b.reduce_sum(b.abs(x), axes=(1, 3), keepdims=False)])
+    xv = np.random.default_rng(4).standard_normal((2, 8, 3, 32)).astype(np.float32)
+    got = ap.jit(g, target="cpu")(xv)
+    a = np.abs(xv)
+    lanes = np.zeros((2, 3, 32), np.float32)
+    for j in range(8):
+        lanes += a[:, j, :, :]
+    want = lanes[:, :, 0].copy()
+    for l in range(1, 32):
+        want = want + lanes[:, :, l]
+    np.testing.assert_array_equal(got, want)
