@@ -3,9 +3,11 @@
 Every case runs twice: through ``target="reference"`` (numpy) and ``target="cpu"`` (LLVM
 kernels); the test classes carry the target in their names (``..._reference`` / ``..._cpu``).
 
-Every op type the ONNX front end converts is included, plain and ``_expanded`` (the function-
-body expansion into simpler ONNX ops).  Cases that cannot pass are excluded below, each with
-its reason.
+The whole node suite is included (every op, plain and ``_expanded``, the function-body expansion
+into simpler ONNX ops; ops without a converter run through the onnx.reference fallback), plus the
+small PyTorch-exported models that ship with onnx.  Cases that cannot pass are excluded below,
+each with its reason.  ``benchmarks/onnx_suite.py`` runs the same cases through onnxruntime too
+and reports per-op counts (benchmarks/ONNX_SUITE.md).
 """
 from __future__ import annotations
 
@@ -88,43 +90,35 @@ class ApolloBackend(onnx.backend.base.Backend):
         return device == "CPU"
 
 
-# op types, as they are spelled in the test names, that the front end converts
-OPS = [
-    "abs", "add", "and", "averagepool", "basic_conv", "batchnorm", "cast", "castlike", "ceil",
-    "celu", "clip", "concat", "constant", "constantofshape", "conv", "div", "dropout", "elu",
-    "equal", "erf", "exp", "expand", "flatten", "floor", "gather", "gelu", "gemm",
-    "globalaveragepool", "globalmaxpool", "greater", "greater_equal", "hardsigmoid", "hardswish",
-    "identity", "instancenorm", "isinf", "isnan", "layer_normalization", "leakyrelu", "less",
-    "less_equal", "log", "logsoftmax", "matmul", "max", "maxpool", "mean", "min", "mish", "mul",
-    "mvn", "neg", "not", "or", "pow", "prelu", "range", "reciprocal", "reduce_l1", "reduce_l2",
-    "reduce_log_sum", "reduce_log_sum_exp", "reduce_max", "reduce_mean", "reduce_min",
-    "reduce_prod", "reduce_sum", "reduce_sum_square", "relu", "reshape", "selu", "shape",
-    "sigmoid", "sign", "size", "slice", "softmax", "softplus", "softsign", "split", "sqrt",
-    "squeeze", "sub", "sum", "tanh", "thresholdedrelu", "tile", "transpose", "unsqueeze", "where",
-    "xor", "group_normalization", "lrn", "l1normalization", "l2normalization", "lpnormalization",
-    "shrink", "tril", "triu", "argmax", "argmin", "hardmax", "onehot", "cumsum", "depthtospace",
-    "spacetodepth", "round", "einsum", "resize", "upsample", "convtranspose", "mod", "gathernd",
-    "edge_pad", "reflect_pad", "wrap_pad", "training_dropout",
-]
-
 # pattern -> why it cannot pass
 EXCLUDE = {
-    # element types outside apollo_py's dtypes (see apollo_py/ir/types.py)
+    # element types apollo_py does not have (see apollo_py/ir/types.py)
     r"(?i)(^|_)u?int[24](_|$)": "int4/uint4/int2/uint2 have no numpy dtype",
-    r"bfloat16|BFLOAT16": "bfloat16 is not supported",
+    r"bfloat16|BFLOAT16|_bf16(_|$)": "bfloat16 is not supported",
     r"float8|FLOAT8|e4m3|e5m2|float4|FLOAT4": "float8/float4 are not supported",
-    r"string|STRING": "string tensors are not supported",
-    # other op types whose test names start like a supported op's
-    r"^test_split_to_sequence_": "SplitToSequence produces a sequence, not converted",
-    r"^test_identity_(opt|sequence)_": "optional and sequence types are not supported",
+    r"string|STRING|^test_strnormalizer_|^test_regex_full_match_": "string tensors are not supported",
+    # value kinds and domains apollo_py does not have
+    r"^test_(optional_|sequence_|split_to_sequence_|identity_(opt|sequence)|if_(opt|seq)_|loop1[36]_seq)":
+        "sequence and optional values are not supported (tensors only)",
+    r"^test_ai_onnx_ml_": "ai.onnx.ml domain (classical ML operators) is not supported",
+    r"^test_(adagrad|adam|momentum|nesterov_momentum)": "ai.onnx.preview.training optimizers are not supported",
+    r"^test_flexattention": "ai.onnx.preview FlexAttention is not supported",
+    r"^test_image_decoder_": "ImageDecoder runs through onnx.reference, which needs Pillow (not installed)",
+    r"^test_scatter_with(out)?_axis_": "opset-10 Scatter (deprecated): no converter, and onnx.reference has none",
     # semantics apollo_py does not implement
-    r"^test_batchnorm_.*training_mode": "training-mode BatchNormalization (batch statistics)",
-    r"^test_maxpool_with_argmax_": "MaxPool's Indices output is not supported",
-    r"^test_resize_.*_antialias_": "antialiased Resize is not implemented",
+    r"^test_bernoulli": "Bernoulli draws random numbers: outputs cannot match the recorded ones",
     r"^test_mod_float_edge_cases_": "float Mod is x - trunc(x/y)*y: inf divisors and signed zeros differ",
-    r"^test_range_.*_expanded_": "the expansion of Range uses Loop (control flow)",
-    r"^test_training_dropout": "training-mode Dropout draws random masks",
     r"^test_PReLU_\dd_multiparam_": "opset-6 PRelu (1-D per-channel slope); supported opsets are 9-22",
+    # bugs: listed, not hidden
+    r"^test_scan_sum_": "Scan whose body reads a state input: the control-flow lowering raises InputError (bug)",
+}
+
+
+# pattern -> why it cannot pass on target="cpu" although it passes on target="reference"
+EXCLUDE_CPU = {
+    r"^test_attention_4d_(causal|gqa_causal_nonpad_decode|gqa_with_past_and_present)_fp16_expanded_":
+        "fused float16 kernels keep intermediates in float32 (numpy and the recorded outputs round "
+        "every op to float16): 1-3 float16 ulps apart, above rtol 1e-3",
 }
 
 
@@ -132,14 +126,15 @@ def make_suite(target: str) -> dict:
     """The backend test classes for ``target``, named ``<onnx class name>_<target>``."""
     backend = type(f"ApolloBackend_{target}", (ApolloBackend,), {"target": target})
     suite = onnx.backend.test.BackendTest(backend, __name__)
-    for op in OPS:
-        suite.include(rf"^test_{op}(_.*)?_cpu$")
-    # small models exported from PyTorch that ship with onnx (pytorch-operator, pytorch-converted)
-    suite.include(r"^test_operator_.*_cpu$")
-    suite.include(r"^test_[A-Z].*_cpu$")
-    for pattern in EXCLUDE:
+    suite.include(r"^test_.*_cpu$")
+    for pattern in list(EXCLUDE) + (list(EXCLUDE_CPU) if target == "cpu" else []):
         suite.exclude(pattern)
-    return {f"{name}_{target}": case for name, case in suite.test_cases.items()}
+    return {f"{name}_{target}": case for name, case in suite.test_cases.items() if name in KINDS}
+
+
+# the node suite and the small PyTorch-exported models (not the "real" models, which download)
+KINDS = ("OnnxBackendNodeModelTest", "OnnxBackendPyTorchConvertedModelTest",
+         "OnnxBackendPyTorchOperatorModelTest")
 
 
 for _target in ("reference", "cpu"):
