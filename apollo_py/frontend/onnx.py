@@ -1,9 +1,12 @@
 """ONNX front end: load a model (path, bytes or ModelProto) into a :class:`Program`.
 
-Loading parses and checks the model, reads external data (refusing any location outside the
-model's directory), inlines model-local functions and turns nodes and initializers into plain
-Python data.  ``specialize(shapes)`` then lowers the nodes, for concrete input shapes, into a
-primitive :class:`~apollo_py.ir.Graph` through the converters of :mod:`.onnx_ops`; values
+Loading parses and checks the model, memory-maps external initializer data (refusing any
+location outside the model's directory; nothing is copied, so a model over 2 GB is not held
+twice), inlines model-local functions and turns nodes and initializers into plain Python data.
+Nodes without a converter run through onnx.reference (:mod:`.fallback`); models whose shapes
+depend on data run in stages (:mod:`.staged`); If/Loop/Scan bodies are compiled by apollo_py
+(:mod:`.control_flow`).  ``specialize(shapes)`` then lowers the nodes, for concrete input
+shapes, into a primitive :class:`~apollo_py.ir.Graph` through the converters of :mod:`.onnx_ops`; values
 that only depend on constants (Shape -> Gather -> Concat -> Reshape chains) are folded at that
 time, so shape arithmetic never reaches the graph.  ``onnx`` itself is imported lazily, inside
 :func:`load_onnx`, to keep ``import apollo_py`` fast.

@@ -9,7 +9,7 @@ of a static primitive graph.  :func:`compile_program` then builds a :class:`Stag
   bodies compiled by apollo_py, :mod:`.control_flow`); listed in the plan as ``fallback``;
 * **tail** — the remaining nodes as a new program whose inputs are the values they read, with
   the shapes just observed; lowered and compiled on first sight of those shapes and cached per
-  shape (a tail may split again).  Values folded to constants in the head stay constants in the
+  shape, the :data:`MAX_TAILS` most recent kept (a tail may split again).  Values folded to constants in the head stay constants in the
   tail, so shape arithmetic keeps folding across the split.
 
 The executable is itself one specialisation of the model (per input shapes) in
@@ -25,6 +25,10 @@ import numpy as np
 
 from ..errors import UnsupportedOpError
 from ..ir.types import DTYPES
+
+#: run-time specialisations of the rest kept per staged executable (oldest dropped first): a
+#: NonZero whose count changes on every call must not grow the cache without bound
+MAX_TAILS = 32
 
 
 def compile_program(program, shapes: Mapping[str, tuple], options) -> Any:
@@ -71,6 +75,7 @@ class StagedExecutable:
         # outputs the rest computes come from the tail; the others straight from the values
         self.tail_outputs = tuple(o for o in program.outputs if o in produced)
         self._tails: dict[tuple, Any] = {}
+        self.n_compiled = 0  # tail specialisations compiled so far (the cache keeps MAX_TAILS)
         self._last = None
         self._lock = threading.Lock()
 
@@ -121,7 +126,10 @@ class StagedExecutable:
                     tail = OnnxProgram.from_parts(f"{self.program.name}/after {self.node.name}", specs,
                                                   self.tail_outputs, self.rest, inits, self.program.opset)
                     exe = compile_program(tail, {s.name: s.dims for s in specs}, self.options)
+                    if len(self._tails) >= MAX_TAILS:
+                        self._tails.pop(next(iter(self._tails)))
                     self._tails[key] = exe
+                    self.n_compiled += 1
         self._last = exe
         return exe
 
@@ -132,4 +140,4 @@ class StagedExecutable:
         return StagedPlan(bodies=tuple(body_plans(self.op)), head=self.head.plan if self.head is not None else None,
                           node=(self.node.name, self.node.op_type, self.reason),
                           tail=self._last.plan if self._last is not None else None,
-                          n_tails=len(self._tails))
+                          n_tails=self.n_compiled)

@@ -190,3 +190,25 @@ def test_sequence_values_are_refused_clearly():
     f = apollo_py.jit(_model(nodes, [a], [("y", T.FLOAT)]))
     with pytest.raises(UnsupportedOpError, match="'seq'.*sequence"):
         f(np.ones(2, np.float32))
+
+
+def test_staged_plan_json_and_tail_cache_bound(monkeypatch):
+    import json
+
+    from apollo_py.frontend import staged
+    monkeypatch.setattr(staged, "MAX_TAILS", 2)
+    x = helper.make_tensor_value_info("x", T.FLOAT, [6])
+    nodes = [helper.make_node("NonZero", ["x"], ["nz"], name="nonzero"),
+             helper.make_node("Neg", ["nz"], ["y"], name="neg")]
+    model = _model(nodes, [x], [("y", T.INT64)])
+    f = apollo_py.jit(model, target="reference")
+    for count in (1, 2, 3, 4):
+        a = np.zeros(6, np.float32)
+        a[:count] = 1
+        _check(f, model, {"x": a})
+    exe = next(iter(f._cache.values()))
+    assert len(exe._tails) == 2 and f.plan.n_tails == 4
+    doc = json.loads(f.plan.to_json())
+    assert doc["split"] == {"node": "nonzero", "op_type": "NonZero",
+                            "reason": "the output shape of NonZero depends on input data"}
+    assert doc["coverage"]["ops_compiled"] == 1 and doc["coverage"]["ops_fallback"] == 1
