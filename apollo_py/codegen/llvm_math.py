@@ -14,7 +14,9 @@ Algorithms (max relative error vs numpy in float32 is checked by tests/codegen):
 * log: Cephes ``logf`` -- frexp by bit manipulation (subnormals pre-scaled by 2^23),
   mantissa folded to [sqrt(1/2), sqrt(2)), degree-8 polynomial; log(0) = -inf,
   log(x < 0) = nan, log(inf) = inf.
-* tanh: |x| < 0.625: Cephes ``tanhf`` odd polynomial; else sign(x) (1 - 2 / (exp(2|x|) + 1)).
+* tanh: |x| < 0.625: Cephes ``tanhf`` odd polynomial; else sign(x) (1 - 2 / (exp(2|x|) + 1))
+  with 2|x| clamped to 20 (tanh is 1 in float32 from 2|x| = 18.1), so exp is the Cephes
+  reduction and polynomial with a single 2^n scale and no range clamps.
 * erf: |x| < 1: Cephes ``erff`` odd polynomial; else sign(x) (1 - erfc(|x|)) with Cephes
   ``erfcf`` (exp(-x^2) / x times a polynomial in 1/x^2), clamped at |x| = 4 where erf = +-1 in
   float32.
@@ -139,9 +141,31 @@ def _log(fn: _Fn, x: str) -> str:
     return fn.sel(fn.cmp("uno", x, x), x, r)
 
 
+def _exp_tanh(fn: _Fn, a: str) -> str:
+    """exp(a) for a in [0, 20] (or NaN): :func:`_exp` without the range clamps and with one
+    scale factor 2^n (n <= 29 cannot overflow); a NaN ``a`` gives NaN."""
+    t = fn.f("fmul", a, fconst(1.44269504088896341))
+    n = fn.op(f"call float @llvm.rint.f32(float {t})")
+    n = fn.sel(fn.cmp("uno", a, a), fconst(0.0), n)
+    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(-0.693359375)}, float {a})")
+    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(2.12194440e-4)}, float {r})")
+    p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
+                    1.6666665459E-1, 5.0000001201E-1])
+    z = fn.f("fmul", r, r)
+    y = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
+    y = fn.f("fadd", y, fconst(1.0))
+    ni = fn.op(f"fptosi float {n} to i32")
+    b = fn.op(f"add i32 {ni}, 127")
+    b = fn.op(f"shl i32 {b}, 23")
+    return fn.f("fmul", y, fn.op(f"bitcast i32 {b} to float"))
+
+
 def _tanh(fn: _Fn, x: str) -> str:
     ax = fn.op(f"call float @llvm.fabs.f32(float {x})")
-    e = fn.op(f"call float @ap.expf(float {fn.f('fadd', ax, ax)})")
+    a2 = fn.f("fadd", ax, ax)
+    # tanh(|x|) rounds to 1 for 2|x| > 18.1: clamp so that exp needs no overflow handling
+    a2 = fn.sel(fn.cmp("ogt", a2, fconst(20.0)), fconst(20.0), a2)
+    e = _exp_tanh(fn, a2)
     d = fn.f("fadd", e, fconst(1.0))
     q = fn.f("fdiv", fconst(2.0), d)
     big = fn.f("fsub", fconst(1.0), q)
@@ -217,7 +241,7 @@ def _pow(fn: _Fn, a: str, b: str) -> str:
 _BUILDERS = {"expf": (_exp, 1), "logf": (_log, 1), "tanhf": (_tanh, 1), "erff": (_erf, 1),
              "sigmoidf": (_sigmoid, 1), "powf": (_pow, 2)}
 #: functions each helper calls, so a module includes them too
-DEPENDS = {"tanhf": ("expf",), "erff": ("expf",), "sigmoidf": ("expf",),
+DEPENDS = {"erff": ("expf",), "sigmoidf": ("expf",),
            "powf": ("expf", "logf")}
 
 #: declarations the helpers need; the renderer merges them with its own (deduplicated)
