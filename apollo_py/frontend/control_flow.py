@@ -80,6 +80,38 @@ def node_captures(node) -> list[str]:
     return list(out)
 
 
+#: outer constants up to this many elements are copied into the bodies that capture them
+EMBED_LIMIT = 4096
+
+
+def embed_constant_captures(node, lookup, limit: int = EMBED_LIMIT):
+    """A copy of NodeProto ``node`` whose subgraphs hold, as initializers, the captured outer
+    values that ``lookup(name)`` knows as constants (arrays of at most ``limit`` elements).
+
+    A body then sees shape operands (axes, target shapes, indices) from the enclosing graph as
+    constants and folds them, as the enclosing graph would; larger constants (weights) stay
+    captures, passed in at run time.  Returns ``node`` itself when nothing is embedded."""
+    import onnx
+    from onnx import numpy_helper
+
+    embed = {}
+    for c in node_captures(node):
+        arr = lookup(c)
+        if arr is not None and np.asarray(arr).size <= limit:
+            embed[c] = np.asarray(arr)
+    if not embed:
+        return node
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    for a in out.attribute:
+        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+        for g in graphs:
+            for c in captured_names(g):
+                if c in embed:
+                    g.initializer.append(numpy_helper.from_array(embed[c], c))
+    return out
+
+
 class SubgraphRunner:
     """Stands in for onnx.reference's evaluator of a subgraph; runs it compiled by apollo_py.
 

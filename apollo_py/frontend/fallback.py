@@ -14,6 +14,8 @@ at compile time).  In order:
    input shapes and the constant operands) fixes every output's shape and dtype; the node
    becomes one ``onnx_op`` primitive (FALLBACK kind): it splits clusters, runs as its own step
    between compiled pieces and is listed in the plan as ``fallback`` with ``reason``.
+   For an If that inference cannot type, both branches are lowered (not compiled) for the
+   concrete captured types; if they agree, those are the output types.
 4. **Data-dependent output shape** (NonZero, TopK with a runtime k, Reshape to a runtime shape,
    If whose branches disagree, Loop with scan outputs, ...): :class:`DataDependent` is raised.
    The program lowering catches it and *splits* there: the nodes before it form a compiled
@@ -32,7 +34,7 @@ import numpy as np
 from ..errors import ApolloError, ShapeError, UnsupportedOpError
 from ..ir.types import TensorType
 from ..ops.fallback import has_reference
-from .control_flow import node_captures, op_instance, options_key, run_op
+from .control_flow import embed_constant_captures, node_captures, op_instance, options_key, run_op
 
 
 #: ops whose outputs must not be computed once at compile time even when all inputs are constant
@@ -95,6 +97,10 @@ def lower_fallback(cx, err: UnsupportedOpError) -> list:
         if cond is not None:
             return _inline_branch(cx, bool(np.asarray(cond).reshape(-1)[0]))
     proto = _named_outputs(node)
+    if _subgraphs(proto):
+        def lookup(name):
+            return b.const_value(lowering.value(name, f"{node.describe()} (captured by a subgraph)"))
+        proto = embed_constant_captures(proto, lookup)
     captures = node_captures(proto)
     present = [cx.need(i) for i in range(cx.n_in) if cx.has(i)]
     values = present + [lowering.value(c, f"{node.describe()} (captured by a subgraph)") for c in captures]
@@ -107,6 +113,8 @@ def lower_fallback(cx, err: UnsupportedOpError) -> list:
         return [b.constant(_supported(np.asarray(o), node, k)) if k < len(outs) else None
                 for k, o in enumerate(outs[:len(node.outputs)])]
     types = infer_output_types(proto, values, captures, present, consts, lowering.opset)
+    if types is None and node.op_type == "If":
+        types = _if_types(proto, node, dict(zip(captures, values[len(present):])), lowering)
     if types is None:
         raise DataDependent(node.name, f"the output shape of {node.op_type} depends on input data")
     outs = b.op("onnx_op", *values, node=node_hex, domain="", opset=lowering.opset, op_type=node.op_type,
@@ -183,6 +191,33 @@ def infer_output_types(proto, values, captures, present, consts, opset: int) -> 
             raise UnsupportedOpError(proto.op_type, proto.name, str(e)) from None
         out.append(TensorType(tuple(int(d.dim_value) for d in tt.shape.dim), dtype))
     return out
+
+
+def _if_types(proto, node, captured: dict, lowering) -> list[TensorType] | None:
+    """Output types of an If whose condition is known only at run time, when ONNX shape
+    inference could not tell: lower both branches for the captured values' concrete types
+    (lowering only, nothing is compiled) and keep the types if the branches agree."""
+    from . import InputSpec
+    from .control_flow import captured_names
+    from .onnx import OnnxProgram, _tensor_array, onnx_nodes
+
+    found = []
+    branches = {a.name: a.g for a in proto.attribute}
+    for attr in ("then_branch", "else_branch"):
+        g = branches[attr]
+        names = captured_names(g)
+        specs = tuple(InputSpec(n, tuple(captured[n].type.shape), captured[n].type.dtype) for n in names)
+        inits = {t.name: _tensor_array(t, f"{node.describe()} {attr} initializer") for t in g.initializer}
+        prog = OnnxProgram.from_parts(g.name or attr, specs, tuple(o.name for o in g.output), onnx_nodes(g),
+                                      inits, lowering.opset)
+        try:
+            lowered = prog.lower({s.name: s.dims for s in specs}, lowering.options)
+        except ApolloError:
+            return None
+        if lowered.split is not None:
+            return None
+        found.append([lowered.graph.types[o] for o in lowered.graph.outputs])
+    return found[0] if found[0] == found[1] else None
 
 
 def _inline_branch(cx, cond: bool) -> list:

@@ -51,7 +51,7 @@ class StagedExecutable:
 
     def __init__(self, program, lowered, options):
         from ..compiler import compile_graph
-        from .control_flow import node_captures, op_instance, options_key
+        from .control_flow import embed_constant_captures, node_captures, op_instance, options_key
 
         self.program, self.options = program, options
         self.head = compile_graph(lowered.graph, options) if lowered.graph is not None else None
@@ -59,7 +59,7 @@ class StagedExecutable:
         self.node, self.reason = lowered.split, lowered.split_reason
         self.constants = dict(lowered.constants)
         self.rest = tuple(program.nodes[lowered.split_index + 1:])
-        proto = self.node.proto
+        proto = embed_constant_captures(self.node.proto, self._constant)
         self.captures = node_captures(proto)
         self.op, self.proto = op_instance(proto.SerializeToString().hex(), "", program.opset, options_key(options))
         reads: dict[str, None] = {}
@@ -78,6 +78,14 @@ class StagedExecutable:
         self.n_compiled = 0  # tail specialisations compiled so far (the cache keeps MAX_TAILS)
         self._last = None
         self._lock = threading.Lock()
+
+    def _constant(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` if it is known before run time (folded in the head, initializer)."""
+        if name in self.constants:
+            return self.constants[name]
+        if self.head is not None and name in self.head_outputs:
+            return None
+        return self.program.initializers.get(name)
 
     def _get(self, name: str, env: Mapping[str, np.ndarray]) -> np.ndarray:
         if name in env:

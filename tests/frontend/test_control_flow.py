@@ -179,3 +179,55 @@ def test_loop_containing_if(target):
     feeds = {"x": np.array([1.0, 2.0, 3.0], np.float32), "v0": np.array([0.5, 0.0, -1.0], np.float32)}
     for m in (0, 1, 4, 5):
         _check(f, model, {**feeds, "M": np.array(m, np.int64)})
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_if_typed_by_lowering_both_branches(target):
+    """ONNX shape inference cannot type this If (its branches reshape by computed shapes); both
+    branches lowered for the concrete shapes agree, so the If is one static fallback step."""
+    then = helper.make_graph([helper.make_node("Shape", ["x"], ["sh"], name="t_shape"),
+                              helper.make_node("ReduceProd", ["sh"], ["n"], name="t_prod", keepdims=1),
+                              helper.make_node("Reshape", ["x", "n"], ["t_out"], name="t_reshape")],
+                             "then", [], [_vi("t_out")])
+    other = helper.make_graph([helper.make_node("Flatten", ["x"], ["fl"], name="e_flat", axis=0),
+                               helper.make_node("Squeeze", ["fl", "zero"], ["e_out"], name="e_sq")],
+                              "else", [], [_vi("e_out")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "fz"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other),
+             helper.make_node("Neg", ["y"], ["z"], name="neg")]
+    inits = [helper.make_tensor("zero", T.INT64, [1], [0]), helper.make_tensor("fz", T.FLOAT, [], [0.0])]
+    g = helper.make_graph(nodes, "g", [_vi("x", shape=["N", 3])], [_vi("z")], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    f = apollo_py.jit(model, target=target)
+    for sign in (1, -1):
+        x = (np.abs(np.random.default_rng(0).standard_normal((4, 3))) * sign).astype(np.float32)
+        _check(f, model, {"x": x})
+    plan = f.plan
+    assert not hasattr(plan, "n_tails")  # one static graph, not staged
+    assert [n.op for n in plan.graph.nodes if n.op == "onnx_op"] == ["onnx_op"]
+    # the outer constant 'zero' was copied into the else branch, so its Squeeze compiled
+    assert plan.coverage.fallback == (("if", "If", "no apollo_py lowering for If"),)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_scan_body_folds_captured_outer_constants(target):
+    """A Scan body reshapes by an outer initializer: the constant is embedded in the body, so
+    the body compiles without a fallback of its own."""
+    body = helper.make_graph(
+        [helper.make_node("Reshape", ["row", "shape"], ["r2"], name="body_reshape"),
+         helper.make_node("ReduceSum", ["r2", "axes"], ["rs"], name="body_sum", keepdims=0),
+         helper.make_node("Add", ["s_in", "rs"], ["s_out"], name="body_add"),
+         helper.make_node("Identity", ["s_out"], ["out"], name="body_id")],
+        "body", [_vi("s_in", shape=[2]), _vi("row", shape=[6])], [_vi("s_out", shape=[2]), _vi("out", shape=[2])])
+    nodes = [helper.make_node("Scan", ["s0", "xs"], ["s", "ys"], name="scan", body=body, num_scan_inputs=1)]
+    inits = [helper.make_tensor("shape", T.INT64, [2], [2, 3]), helper.make_tensor("axes", T.INT64, [1], [1])]
+    g = helper.make_graph(nodes, "g", [_vi("s0", shape=[2]), _vi("xs", shape=[5, 6])], [_vi("s"), _vi("ys")],
+                          initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    f = apollo_py.jit(model, target=target)
+    rng = np.random.default_rng(4)
+    _check(f, model, {"s0": rng.standard_normal(2).astype(np.float32),
+                      "xs": rng.standard_normal((5, 6)).astype(np.float32)})
+    assert f.plan.coverage.fallback == (("scan", "Scan", "no apollo_py lowering for Scan"),)
+    assert f.plan.coverage.compiled >= 3  # the body's reshape, sum and add
