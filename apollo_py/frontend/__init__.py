@@ -29,7 +29,11 @@ class InputSpec:
 
 
 class Program:
-    """Base class of front-end results: ``inputs``, ``outputs``, ``name`` and ``specialize``."""
+    """Base class of front-end results: ``inputs``, ``outputs``, ``name`` and ``specialize``.
+
+    A program may also offer ``lower(shapes, options)`` (as the ONNX program does): then
+    :func:`apollo_py.frontend.staged.compile_program` can run models whose shapes depend on
+    data in stages instead of requiring one static graph."""
 
     name: str = "model"
     inputs: tuple[InputSpec, ...] = ()
