@@ -2,12 +2,16 @@
 numpy step, ``jax.jit`` of the same step (when jax is installed) and the roofline floor.
 
     python benchmarks/bench_train.py [--batch 256] [--rounds 11] [--reps 5] [--warmup 3]
-                                     [--targets reference,cpu] [--optimizers sgd,adam]
+                                     [--targets reference,cpu,cpu-blas] [--optimizers sgd,adam]
                                      [--threads N] [--no-jax] [--markdown]
 
 The model: 784-1024-10 MLP with ReLU, softmax cross-entropy, batch 256, float32; SGD (lr 0.1)
 and Adam (lr 1e-3, torch defaults).  Every contender starts from the same weights and its first
 loss is checked against the numpy step's (rtol 1e-4) before anything is timed.
+
+Contenders: apollo target "reference" (the numpy oracle), "cpu" (LLVM kernels; matmuls by the
+generated GEMM or BLAS per ``Options.gemm="auto"``), "cpu-blas" (target cpu with every matmul
+through numpy's BLAS), the plain numpy step of tests/train/models.py and jax.jit.
 
 Timing: all contenders of one optimizer run in one process, interleaved round-robin after
 ``warmup`` calls each; a sample is the mean of ``reps`` consecutive calls and each contender's
@@ -76,9 +80,14 @@ def sgemm_sampler(batch: int):
 
 
 def apollo_step(w0, batch, opt: str, target: str, threads: int | None = None):
+    """``target`` is "reference", "cpu", or "cpu-blas" (target cpu with ``Options(gemm="blas")``:
+    every matmul through numpy's BLAS instead of the generated GEMM)."""
     optimizer = ap.optim.SGD(lr=SGD_LR) if opt == "sgd" else ap.optim.Adam(lr=ADAM_LR, betas=BETAS, eps=EPS)
-    options = ap.Options(num_threads=threads) if threads else None
-    step = ap.train_step(mlp_graph(w0, batch), optimizer=optimizer, target=target, options=options)
+    kw = {"num_threads": threads} if threads else {}
+    if target == "cpu-blas":
+        target, kw["gemm"] = "cpu", "blas"
+    step = ap.train_step(mlp_graph(w0, batch), optimizer=optimizer, target=target,
+                         options=ap.Options(**kw) if kw else None)
     return lambda x, y: step(labels=y, x=x), step
 
 
@@ -313,7 +322,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=11, help="samples per contender (>= 7)")
     p.add_argument("--reps", type=int, default=5, help="calls per sample")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--targets", default="reference,cpu", help="apollo targets, comma-separated")
+    p.add_argument("--targets", default="reference,cpu,cpu-blas",
+                   help="apollo targets, comma-separated: reference, cpu, cpu-blas (gemm='blas')")
     p.add_argument("--optimizers", default="sgd,adam")
     p.add_argument("--threads", type=int, default=None, help="pin BLAS, apollo and XLA to N threads")
     p.add_argument("--no-jax", action="store_true", help="leave jax.jit out even if installed")
