@@ -36,6 +36,8 @@ from apollo_py.codegen.compiled import CompiledKernelBase
 from apollo_py.errors import CompileError
 
 B_BLOCK_BYTES = 512 * 1024
+KC_MAX = 256          # k per block: an NR-column B micro-panel (KC x NR floats, 32 KiB) stays in L1
+MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in L2
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,16 @@ class Blocking:
     mr: int
     nr: int
 
-    def nc(self, k: int, n: int) -> int:
+    def nc(self, kc: int, n: int) -> int:
         """Columns per B block: at most ``B_BLOCK_BYTES`` of packed B, a multiple of ``nr``."""
-        cap = max(self.nr, (B_BLOCK_BYTES // (4 * max(1, k))) // self.nr * self.nr)
+        cap = max(self.nr, (B_BLOCK_BYTES // (4 * max(1, kc))) // self.nr * self.nr)
         return min(cap, -(-n // self.nr) * self.nr)
+
+
+def k_blocks(k: int) -> tuple[int, int]:
+    """``(block count, block size)``: K split into near-equal blocks of at most ``KC_MAX``."""
+    nk = -(-k // KC_MAX)
+    return nk, -(-k // nk)
 
 
 def host_blocking() -> Blocking:
@@ -59,6 +67,17 @@ def host_blocking() -> Blocking:
     if "+avx512f" in feats:
         return Blocking(16, 12, 32)
     return Blocking(8, 6, 16)
+
+
+def blocking_for(m: int) -> Blocking:
+    """The host blocking, with ``mr`` 8 instead of 12 (AVX-512) or 4 instead of 6 (AVX2) when
+    that pads the ``m`` rows by 5% less (conv with 64 output channels: 72 -> 64 rows)."""
+    bl = host_blocking()
+    alt = Blocking(bl.vl, 8 if bl.vl == 16 else 4, bl.nr)
+
+    def waste(mr):
+        return (-(-m // mr) * mr) / m - 1
+    return alt if waste(bl.mr) - waste(alt.mr) > 0.05 else bl
 
 
 @dataclass(frozen=True)
@@ -146,11 +165,14 @@ def b_source_size(d: GemmDesc) -> int:
 
 
 def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
-    bpk = L.Param("bpk", "float32", nc * d.k)
+    kcmax = k_blocks(d.k)[1]
+    bpk = L.Param("bpk", "float32", nc * kcmax)
     src = L.Param("bsrc", "float32", b_source_size(d))
-    info = L.Param("info", "int64", 2)
-    jp, k, jj = L.Var("jp"), L.Var("k"), L.Var("jj")
+    info = L.Param("info", "int64", 4)
+    jp, kk, jj = L.Var("jp"), L.Var("kk"), L.Var("jj")
     b, j0 = L.Load(info, L.Const(0)), L.Load(info, L.Const(1))
+    k0, kc = L.Load(info, L.Const(2)), L.Load(info, L.Const(3))
+    k = k0 + kk
     j = j0 + jp * bl.nr + jj
     zero = L.Const(0.0, "float32")
     if d.conv is None:
@@ -168,8 +190,8 @@ def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
         iwc = L.minimum(L.maximum(iw, 0), g.w - 1)
         addr = ((img * g.c + grp * cg + ci) * g.h + ihc) * g.w + iwc
         val = L.Select(ok, L.Load(src, addr), zero)
-    body = L.Store(bpk, (jp * d.k + k) * bl.nr + jj, val)
-    loops = L.for_("jp", 0, nc // bl.nr, L.for_("k", 0, d.k, L.for_("jj", 0, bl.nr, body, "vector")),
+    body = L.Store(bpk, (jp * kc + kk) * bl.nr + jj, val)
+    loops = L.for_("jp", 0, nc // bl.nr, L.for_("kk", 0, kc, L.for_("jj", 0, bl.nr, body, "vector")),
                    "parallel")
     return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
 
@@ -237,15 +259,17 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
 # ------------------------------------------------------------------ LLVM IR text
 
 
-def _micro_ir(bl: Blocking, k: int) -> str:
-    """``@gemm.micro(a, b, tile)``: ``tile[MR][NR] = sum_k a[k][MR] (x) b[k][NR]``."""
+def _micro_ir(bl: Blocking) -> str:
+    """``@gemm.micro(a, b, tile, kc, first)``: ``tile[MR][NR] (= 0 if first) += sum_{k<kc}
+    a[k][MR] (x) b[k][NR]``; the accumulators start at zero and live in registers for the
+    whole k loop, the old tile is added once at the end."""
     vt = f"<{bl.vl} x float>"
     nv = bl.nr // bl.vl
     accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
     lines = ["define internal void @gemm.micro(ptr noalias nocapture readonly %a, "
-             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c) #1 {",
-             "entry:", "  br label %loop", "loop:",
-             "  %k = phi i64 [0, %entry], [%k1, %loop]"]
+             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c, i64 %kc, i1 %first) #1 {",
+             "entry:"]
+    lines += ["  br label %loop", "loop:", "  %k = phi i64 [0, %entry], [%k1, %loop]"]
     for r, v in accs:
         lines.append(f"  %acc{r}_{v} = phi {vt} [zeroinitializer, %entry], [%n{r}_{v}, %loop]")
     lines.append(f"  %bo = mul nuw nsw i64 %k, {bl.nr}")
@@ -264,12 +288,16 @@ def _micro_ir(bl: Blocking, k: int) -> str:
         for v in range(nv):
             lines.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, "
                          f"{vt} %acc{r}_{v})")
-    lines += ["  %k1 = add nuw nsw i64 %k, 1", f"  %kc = icmp ult i64 %k1, {k}",
-              "  br i1 %kc, label %loop, label %exit, !llvm.loop !0", "exit:"]
+    lines += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",
+              "  br i1 %kcnd, label %loop, label %exit, !llvm.loop !0", "exit:"]
     for r, v in accs:
+        # each K block sums from zero and is then added to C: error grows with KC + K/KC, not K
         off = r * bl.nr + v * bl.vl
-        lines += [f"  %cp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {off}",
-                  f"  store {vt} %n{r}_{v}, ptr %cp{r}_{v}, align 64"]
+        lines += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {off}",
+                  f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align 64",
+                  f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
+                  f"  %o{r}_{v} = select i1 %first, {vt} %n{r}_{v}, {vt} %is{r}_{v}",
+                  f"  store {vt} %o{r}_{v}, ptr %ip{r}_{v}, align 64"]
     lines += ["  ret void", "}"]
     return "\n".join(lines)
 
@@ -292,15 +320,16 @@ class GemmLayout:
 
 
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
-    """Blocks of ``nc`` columns; rows split into groups only when there are fewer than
-    ``4 * threads`` (batch, column block) tiles, keeping at least 4 panels per group."""
-    nc = bl.nc(d.k, d.n)
+    """Blocks of ``nc`` columns (``KC x nc`` packed B within ``B_BLOCK_BYTES``); rows in groups
+    of at most ``MAX_PANELS`` panels, split further while there are fewer than ``4 * threads``
+    tiles and a group keeps at least 4 panels."""
+    nc = bl.nc(k_blocks(d.k)[1], d.n)
     njc = -(-d.n // nc)
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
-    mg = 1
-    if d.batch * njc < want:
-        mg = max(1, min(-(-want // (d.batch * njc)), npan // 4))
+    mg = -(-npan // MAX_PANELS)
+    if d.batch * njc * mg < want:
+        mg = max(mg, min(-(-want // (d.batch * njc)), npan // 4))
     ppg = -(-npan // mg)
     mg = -(-npan // ppg)
     return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg)
@@ -308,24 +337,28 @@ def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
 
 def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) -> str:
     n_extra = len(d.operands) + len(d.outputs)
+    nkc, kcb = k_blocks(d.k)
     a_tab = [ai * lay.npan_a * d.k * bl.mr for ai in d.a_index]
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
-    scratch = lay.nc * d.k * 4
-    scratch = -(-scratch // 64) * 64
+    tile = bl.mr * bl.nr
+    npb = lay.nc // bl.nr
+    bbytes = -(-(lay.nc * kcb * 4) // 64) * 64
+    cbytes = lay.pan_per_group * npb * tile * 4
     per_t = lay.njc * lay.mg
     s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
          "  %apk = load ptr, ptr %args",
          "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %bsrc = load ptr, ptr %g1",
-         f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {scratch})",
-         f"  %tile = alloca [{bl.mr * bl.nr} x float], align 64",
-         "  %pinfo = alloca [2 x i64], align 8", "  %einfo = alloca [4 x i64], align 8",
+         f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {bbytes})",
+         f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
+         "  %pinfo = alloca [4 x i64], align 8", "  %einfo = alloca [4 x i64], align 8",
          "  %pargs = alloca [3 x ptr], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
          "  store ptr %bscr, ptr %pargs",
          "  %pa1 = getelementptr ptr, ptr %pargs, i64 1", "  store ptr %bsrc, ptr %pa1",
          "  %pa2 = getelementptr ptr, ptr %pargs, i64 2", "  store ptr %pinfo, ptr %pa2",
-         "  store ptr %tile, ptr %eargs",
          "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
          "  %pi1 = getelementptr i64, ptr %pinfo, i64 1",
+         "  %pi2 = getelementptr i64, ptr %pinfo, i64 2",
+         "  %pi3 = getelementptr i64, ptr %pinfo, i64 3",
          "  %ei1 = getelementptr i64, ptr %einfo, i64 1",
          "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
          "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
@@ -333,7 +366,7 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
         s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
               f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
     s += ["  br label %tcond",
-          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %inext_t]",
+          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
           "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
           "tbody:",
           f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
@@ -342,42 +375,62 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
           f"  %ncols = call i64 @llvm.smin.i64(i64 %nleft, i64 {lay.nc})",
           f"  %ncr = add i64 %ncols, {bl.nr - 1}", f"  %npan = udiv i64 %ncr, {bl.nr}",
           f"  %btp = getelementptr [{len(b_tab)} x i64], ptr @gemm.btab, i64 0, i64 %b",
-          "  %bv = load i64, ptr %btp", "  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
-          f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
+          "  %bv = load i64, ptr %btp",
           f"  %atp = getelementptr [{len(a_tab)} x i64], ptr @gemm.atab, i64 0, i64 %b",
           "  %abase = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
           f"  %ip0 = mul i64 %ig, {lay.pan_per_group}", f"  %ipe = add i64 %ip0, {lay.pan_per_group}",
           f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
+          "  br label %pcond",
+          "pcond:", "  %pc = phi i64 [0, %tbody], [%pcn, %inext_p]",
+          f"  %pcc = icmp slt i64 %pc, {nkc}", "  br i1 %pcc, label %pbody, label %tnext",
+          "pbody:",
+          f"  %k0 = mul i64 %pc, {kcb}", f"  %kleft = sub i64 {d.k}, %k0",
+          f"  %kc = call i64 @llvm.smin.i64(i64 %kleft, i64 {kcb})",
+          "  %first = icmp eq i64 %pc, 0", f"  %last = icmp eq i64 %pc, {nkc - 1}",
+          "  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
+          "  store i64 %k0, ptr %pi2", "  store i64 %kc, ptr %pi3",
+          f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
+          f"  %ak0 = mul i64 %k0, {bl.mr}",
+          f"  %bstride = mul i64 %kc, {bl.nr}",
           "  br label %icond",
-          "icond:", "  %ip = phi i64 [%ip0, %tbody], [%ipn, %inext]",
-          "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_t",
+          "icond:", "  %ip = phi i64 [%ip0, %pbody], [%ipn, %inext]",
+          "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_p",
           "ibody:",
           f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
           f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})",
-          f"  %aoff0 = mul i64 %ip, {d.k * bl.mr}", "  %aoff = add i64 %abase, %aoff0",
+          f"  %aoff0 = mul i64 %ip, {d.k * bl.mr}", "  %aoff1 = add i64 %abase, %aoff0",
+          "  %aoff = add i64 %aoff1, %ak0",
           "  %ap = getelementptr float, ptr %apk, i64 %aoff", "  store i64 %i0, ptr %ei1",
+          "  %ipl = sub i64 %ip, %ip0", f"  %crow = mul i64 %ipl, {npb * tile}",
           "  br label %jcond",
-          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jbody]",
+          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
           "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
           "jbody:",
-          f"  %boff = mul i64 %jp, {d.k * bl.nr}", "  %bp = getelementptr float, ptr %bscr, i64 %boff",
-          "  call void @gemm.micro(ptr %ap, ptr %bp, ptr %tile)",
+          "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bscr, i64 %boff",
+          f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
+          "  %cp = getelementptr float, ptr %cscr, i64 %coff",
+          "  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)",
+          "  br i1 %last, label %epib, label %jlatch",
+          "epib:",
           f"  %jpc = mul i64 %jp, {bl.nr}", "  %jj0 = add i64 %j0, %jpc", "  store i64 %jj0, ptr %ei2",
           f"  %nl = sub i64 {d.n}, %jj0", f"  %nr = call i64 @llvm.smin.i64(i64 %nl, i64 {bl.nr})",
-          "  store i64 %nr, ptr %ei3",
+          "  store i64 %nr, ptr %ei3", "  store ptr %cp, ptr %eargs",
           f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)",
-          "  %jpn = add i64 %jp, 1", "  br label %jcond",
+          "  br label %jlatch",
+          "jlatch:", "  %jpn = add i64 %jp, 1", "  br label %jcond",
           "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
-          "inext_t:", "  %t1 = add i64 %t, 1", "  br label %tcond",
-          "done:", "  call void @free(ptr %bscr)", "  ret void", "}"]
-    head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}",
+          "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
+          "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
+          "done:", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
+    head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
+            f"KC {kcb}, NC {lay.nc}",
             _table("gemm.atab", a_tab), _table("gemm.btab", b_tab),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
             f"declare void @{pack_b}(ptr, i64, i64)", f"declare void @{epi}(ptr, i64, i64)"]
-    return "\n".join(head) + "\n" + _micro_ir(bl, d.k) + "\n" + "\n".join(s)
+    return "\n".join(head) + "\n" + _micro_ir(bl) + "\n" + "\n".join(s)
 
 
 # ------------------------------------------------------------------ compile
@@ -422,7 +475,7 @@ def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
 
 def render_gemm(d: GemmDesc, threads: int = 2) -> str:
     """Unoptimised LLVM IR of ``d``: the main kernel and micro-kernel, then the loop-IR parts."""
-    bl = host_blocking()
+    bl = blocking_for(d.m)
     main, texts, _ = _render(d, bl, layout(d, bl, threads))
     return "\n".join([main, *texts])
 
@@ -435,7 +488,7 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None) -> Co
     if d.m <= 0 or d.n <= 0 or d.k <= 0 or d.batch <= 0:
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
-    bl = bl or host_blocking()
+    bl = bl or blocking_for(d.m)
     lay = layout(d, bl, threads)
     h = host()
     main, texts, (pack_a, pack_b, epi) = _render(d, bl, lay)
