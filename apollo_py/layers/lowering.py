@@ -20,7 +20,7 @@ from typing import Sequence
 from ..errors import CompileError
 from ..ir.graph import Graph
 from ..options import Options
-from .layer1 import fuse_micro_graph
+from .fuse_memo import fuse_nodes
 from .layer2 import stitch_groups
 
 REFERENCE_OPS = {"reshape", "transpose", "slice", "concat", "pad", "gather", "onnx_op", "scatter_add",
@@ -205,7 +205,7 @@ def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
         nodes = [*scalars, *(n for n in nodes if n.op != "constant" or n.outputs[0] not in inlined)]
         ins = tuple(v for v in ins if v not in inlined)
     try:
-        fused = fuse_micro_graph(list(nodes), types, list(ins), list(outs), options)
+        fused = fuse_nodes(list(nodes), types, list(ins), list(outs), options)  # memoised layer 1
     except CompileError as e:
         fused, err = None, str(e)
     if fused is not None and len(members) > 1 and len(fused) > 1:
