@@ -178,3 +178,84 @@ def split_all_reduce(name: str, op: str, params, out: L.Param, r_extent: int,
     second = reduce_kernel(f"{name}_final", "all", op, (partials, out), out, (parts,),
                            lambda p, r: partials[r], dtype=dtype, lanes=lanes)
     return first, second, partials
+
+
+# ----------------------------------------------------------------------------- layout copies
+
+def transpose_kernel(name: str, shape, perm, dtype: str, block: int = 16) -> L.Kernel:
+    """A copy kernel ``dst = transpose(src, perm)`` for a row-major ``src`` of ``shape``.
+
+    Loops run over the output dims in order (the first dim of extent > 1 is the parallel
+    loop); the output is written contiguously.  When the input's innermost dim is not the
+    output's innermost one and both extents are multiples of ``block``, those two dims are
+    tiled ``block x block`` so that each tile's input and output cache lines are reused
+    (a transpose of the last two dims reads 16 lines, then writes 16).  Returns the Kernel
+    with params ``src`` and ``dst``.
+    """
+    shape = tuple(int(d) for d in shape)
+    perm = tuple(int(p) for p in perm)
+    r = len(shape)
+    if sorted(perm) != list(range(r)):
+        raise CompileError(f"transpose_kernel: {perm} is not a permutation of rank {r}")
+    out_shape = tuple(shape[p] for p in perm)
+    size = 1
+    for d in shape:
+        size *= d
+    src, dst = L.Param("src", dtype, size), L.Param("dst", dtype, size)
+
+    def strides(sh):
+        out, acc = [0] * len(sh), 1
+        for k in range(len(sh) - 1, -1, -1):
+            out[k] = acc
+            acc *= sh[k]
+        return out
+
+    s_in, s_out = strides(shape), strides(out_shape)
+    v = [L.Var(f"c{k}") for k in range(r)]
+    in_idx: L.Expr = L.Const(0)
+    out_idx: L.Expr = L.Const(0)
+    for k in range(r):
+        if out_shape[k] > 1:
+            in_idx = in_idx + v[k] * s_in[perm[k]]
+            out_idx = out_idx + v[k] * s_out[k]
+    body: L.Stmt = L.Store(dst, out_idx, L.Load(src, in_idx))
+    par = next((k for k in range(r) if out_shape[k] > 1), None)
+    k_in = perm.index(r - 1)       # output dim that walks the input's innermost dim
+    tiled = (r >= 2 and k_in != r - 1 and out_shape[k_in] % block == 0 and out_shape[-1] % block == 0
+             and out_shape[k_in] > block and out_shape[-1] > block and k_in != par)
+    if tiled:
+        # loops: dims other than k_in and r-1 in order, then tiles of k_in and r-1, then the
+        # two intra-tile loops (k_in outer so that stores of one tile row are contiguous)
+        tk, tl = L.Var(f"t{k_in}"), L.Var(f"t{r - 1}")
+        body = subst_vars(body, {v[k_in].name: tk * block + v[k_in], v[r - 1].name: tl * block + v[r - 1]})
+        body = L.For(v[r - 1], L.Const(0), L.Const(block), body, "vector")
+        body = L.For(v[k_in], L.Const(0), L.Const(block), body, "serial")
+        body = L.For(tl, L.Const(0), L.Const(out_shape[-1] // block), body, "serial")
+        body = L.For(tk, L.Const(0), L.Const(out_shape[k_in] // block), body, "serial")
+        outer = [k for k in range(r) if k not in (k_in, r - 1)]
+    else:
+        outer = list(range(r))
+    for k in reversed(outer):
+        if out_shape[k] == 1:
+            continue
+        kind = "parallel" if k == par else ("vector" if k == r - 1 and not tiled and perm[k] == r - 1
+                                              else "serial")
+        body = L.For(v[k], L.Const(0), L.Const(out_shape[k]), body, kind)
+    if par is None:
+        return L.Kernel(name, (src, dst), L.block(body))
+    k = L.Kernel(name, (src, dst), L.block(body), v[par].name, out_shape[par])
+    L.verify_kernel(k)
+    return k
+
+
+def subst_vars(node, mapping: dict):
+    """``node`` (expression or Store) with the Vars named in ``mapping`` replaced."""
+    if isinstance(node, L.Var):
+        return mapping.get(node.name, node)
+    if isinstance(node, L.Bin):
+        return L.Bin(node.op, subst_vars(node.a, mapping), subst_vars(node.b, mapping))
+    if isinstance(node, L.Load):
+        return L.Load(node.buf, subst_vars(node.index, mapping))
+    if isinstance(node, L.Store):
+        return L.Store(node.buf, subst_vars(node.index, mapping), subst_vars(node.value, mapping))
+    return node

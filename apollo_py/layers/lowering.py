@@ -2,8 +2,9 @@
 
 For each micro-graph, in order:
 
-* fallback ops and opaque reorganising ops (reshape, transpose, slice, concat, pad, gather)
-  have no loop-nest lowering yet: they run through their numpy references (a reference step);
+* fallback ops and opaque reorganising ops (reshape, slice, concat, pad, gather) have no
+  loop-nest lowering yet: they run through their numpy references (a reference step); a
+  transpose of at least ``TRANSPOSE_KERNEL_MIN`` elements is a generated copy kernel;
 * a matmul/conv micro-graph runs its compute op through numpy's BLAS-backed reference and its
   fused epilogue (rule 6) as one generated kernel;
 * elementwise / broadcast / reduction micro-graphs are stitched by layer 2 and fused by layer 1
@@ -138,6 +139,11 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
             ins, outs = _boundary(nodes, graph, later)
             steps.append(StepSpec(ins, outs, nodes=tuple(nodes), reason=why, micro_graphs=tuple(group)))
             continue
+        if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "transpose":
+            spec = _transpose_step(nodes[0], graph, later, tuple(group))
+            if spec is not None:
+                steps.append(spec)
+                continue
         if len(members) == 1 and (first.kind == "fallback" or any(n.op in REFERENCE_OPS for n in nodes)):
             ins, outs = _boundary(nodes, graph, later)
             why = "fallback op (onnx.reference)" if first.kind == "fallback" else "no loop-nest lowering for " + \
@@ -187,6 +193,32 @@ def _no_kernel_reason(nodes, types) -> str:
     if bad:
         return f"dtype {', '.join(bad)} has no loop-IR code (numpy reference)"
     return ""
+
+
+#: transposes with fewer elements stay numpy steps (a kernel's compile costs more than it saves)
+TRANSPOSE_KERNEL_MIN = 4096
+
+
+def _transpose_step(node, graph: Graph, later: set, group: tuple):
+    """A generated copy kernel for a transpose (codegen.templates.transpose_kernel), or None
+    when it stays a numpy step (small, or a dtype without a loop-IR buffer type)."""
+    import hashlib
+
+    from ..codegen.templates import transpose_kernel
+    from .layer1 import FusedKernel
+    t_in, t_out = graph.types[node.inputs[0]], graph.types[node.outputs[0]]
+    if t_in.dtype not in ("float32", "float64", "int32", "int64") or t_in.size < TRANSPOSE_KERNEL_MIN:
+        return None
+    perm = tuple(int(p) for p in node.attrs["perm"])
+    name = "copy_" + hashlib.sha1(f"{node.op}{node.inputs}{node.outputs}{perm}".encode()).hexdigest()[:10]
+    loop = transpose_kernel(name, t_in.shape, perm, t_in.dtype)
+    ins, outs = (node.inputs[0],), (node.outputs[0],)
+    fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,
+                        signature="transpose", parallel_dims=1 if loop.parallel_var else 0,
+                        band_extents=(loop.parallel_extent,) if loop.parallel_var else (), tile_sizes=(),
+                        flops=0, bytes=t_in.nbytes + t_out.nbytes, reduce_form=None, strategy="copy",
+                        schedule_ms=0.0, total_ms=0.0)
+    return StepSpec(ins, outs, fused=fused, micro_graphs=group)
 
 
 def _scalar_constants(graph: Graph, values) -> list:

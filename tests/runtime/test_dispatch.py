@@ -123,3 +123,16 @@ def test_two_loop_fold_uses_one_lane_per_column():
     for l in range(1, 32):
         want = want + lanes[:, :, l]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape,perm", [((4, 32, 6, 32), (0, 2, 1, 3)), ((4, 32, 6, 32), (0, 2, 3, 1)),
+                                        ((96, 64), (1, 0)), ((5, 7, 130), (2, 0, 1))])
+def test_transpose_is_a_copy_kernel(shape, perm):
+    b = ap.GraphBuilder("t")
+    x = b.input("x", shape)
+    g = b.build([b.transpose(x, perm=perm) + b.constant(np.array(1.0, np.float32))])
+    f = ap.jit(g, target="cpu")
+    xv = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+    np.testing.assert_array_equal(f(xv), np.transpose(xv, perm) + np.float32(1.0))
+    kinds = [k.to_dict()["kind"] for k in f.plan.kernels]
+    assert kinds == ["kernel", "kernel"], f.plan
