@@ -196,6 +196,78 @@ def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
     return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
 
 
+def _pack_b_conv_rows(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
+    """Implicit im2col without gathers: an NR-pixel panel meets at most ``nseg`` output rows;
+    within one row the input pixels are an affine run (contiguous at stride 1), so each run is
+    a zero-fill / copy / zero-fill triple of vector loops whose bounds come from the per-kw
+    valid output-column range (computed here) and the row's padding test."""
+    from math import ceil
+    g = d.conv
+    kcmax = k_blocks(d.k)[1]
+    bpk = L.Param("bpk", "float32", nc * kcmax)
+    src = L.Param("bsrc", "float32", b_source_size(d))
+    info = L.Param("info", "int64", 4)
+    V = L.Var
+    sh, sw = g.strides
+    dh, dw = g.dilations
+    ph, pw = g.pads
+    cg = g.c // g.group
+
+    def ow_range(kwv):
+        off = kwv * dw - pw
+        lo = max(0, ceil(-off / sw))
+        hi = min(g.ow, ceil((g.w - off) / sw))
+        return lo, max(lo, hi)
+
+    def by_kw(vals, kw):
+        e: L.Expr = L.Const(vals[-1])
+        for kwv in range(len(vals) - 2, -1, -1):
+            e = L.Select(L.eq(kw, kwv), L.Const(vals[kwv]), e)
+        return e
+
+    rng = [ow_range(kwv) for kwv in range(g.kw)]
+    b, j0 = L.Load(info, L.Const(0)), L.Load(info, L.Const(1))
+    k0, kc = L.Load(info, L.Const(2)), L.Load(info, L.Const(3))
+    nseg = min(g.oh, (bl.nr - 1) // g.ow + 2)
+    zero = L.Const(0.0, "float32")
+    dst = (V("jp") * kc + V("kk")) * bl.nr
+    seg = L.block(
+        L.Local("c", "int64", V("ow0") - V("s") * g.ow),
+        L.Local("js", "int64", L.minimum(L.maximum(L.Const(0) - V("c"), 0), V("jend"))),
+        L.Local("je", "int64", L.maximum(L.minimum(g.ow - V("c"), V("jend")), V("js"))),
+        L.Local("ih", "int64", (V("oh0") + V("s")) * sh - ph + V("kh") * dh),
+        L.Local("rowok", "bool", L.land(L.ge(V("ih"), 0), L.lt(V("ih"), g.h))),
+        L.Local("vlo", "int64", L.Select(V("rowok", "bool"),
+                                         L.minimum(L.maximum(V("owlo") - V("c"), V("js")), V("je")), V("js"))),
+        L.Local("vhi", "int64", L.Select(V("rowok", "bool"),
+                                         L.minimum(L.maximum(V("owhi") - V("c"), V("vlo")), V("je")), V("js"))),
+        L.Local("rowbase", "int64", ((V("img") * g.c + V("grp") * cg + V("ci")) * g.h + V("ih")) * g.w
+                + V("kw") * dw - pw + V("c") * sw),
+        L.for_("jj", V("js"), V("vlo"), L.Store(bpk, dst + V("jj"), zero), "vector"),
+        L.for_("jj", V("vlo"), V("vhi"),
+               L.Store(bpk, dst + V("jj"), L.Load(src, V("rowbase") + V("jj") * sw)), "vector"),
+        L.for_("jj", V("vhi"), V("je"), L.Store(bpk, dst + V("jj"), zero), "vector"))
+    per_k = L.block(
+        L.Local("k", "int64", k0 + V("kk")),
+        L.Local("ci", "int64", V("k") // (g.kh * g.kw)),
+        L.Local("kh", "int64", (V("k") // g.kw) % g.kh),
+        L.Local("kw", "int64", V("k") % g.kw),
+        L.Local("owlo", "int64", by_kw([r[0] for r in rng], V("kw"))),
+        L.Local("owhi", "int64", by_kw([r[1] for r in rng], V("kw"))),
+        L.for_("s", 0, nseg, seg),
+        L.for_("jj", V("jend"), bl.nr, L.Store(bpk, dst + V("jj"), zero), "vector"))
+    per_panel = L.block(
+        L.Local("p0", "int64", j0 + V("jp") * bl.nr),
+        L.Local("oh0", "int64", V("p0") // g.ow),
+        L.Local("ow0", "int64", V("p0") % g.ow),
+        L.Local("jend", "int64", L.minimum(L.Const(bl.nr), d.n - V("p0"))),
+        L.Local("img", "int64", b // g.group),
+        L.Local("grp", "int64", b % g.group),
+        L.for_("kk", 0, kc, per_k))
+    loops = L.for_("jp", 0, nc // bl.nr, per_panel, "parallel")
+    return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
+
+
 def _operand_index(op: EpiOperand, out_shape: tuple, row_dims: int, row: L.Expr, col: L.Expr) -> L.Expr:
     """Flat index into a broadcast operand for output row ``row`` and column ``col``."""
     rank = len(out_shape)
@@ -463,7 +535,7 @@ def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
     from apollo_py.codegen.llvm import LLVMPrinter, host
     h = host()
     pack_a = _pack_a_kernel(d, bl)
-    pack_b = _pack_b_kernel(d, bl, lay.nc)
+    pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)
     epi = _epilogue_kernel(d, bl)
     texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pack_a, pack_b, epi)]
     main = _main_ir(d, bl, lay, pack_b.name, epi.name)

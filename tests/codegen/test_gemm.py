@@ -114,6 +114,9 @@ def test_epilogue_broadcast_operands_batched(pool):
     ((2, 4, 12, 10), (5, 4, 3, 2), (1, 2), (2, 2, 2, 2), (2, 3), 1),       # dilation, stride
     ((1, 8, 9, 9), (8, 1, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 8),         # depthwise
     ((3, 5, 7, 7), (6, 5, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1),         # 1x1
+    ((1, 3, 5, 4), (4, 3, 3, 3), (1, 1), (3, 3, 3, 3), (1, 1), 1),         # pads wider than the kernel
+    ((2, 2, 9, 7), (4, 1, 2, 3), (3, 2), (1, 0, 0, 2), (2, 1), 2),         # many rows per panel
+    ((1, 4, 3, 70), (40, 4, 3, 5), (1, 3), (1, 2, 1, 2), (1, 2), 1),       # rows wider than a panel
 ])
 def test_conv_implicit_gemm(pool, xs, ws, strides, pads, dil, group):
     rng = np.random.default_rng(5)
