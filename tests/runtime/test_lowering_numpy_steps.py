@@ -1,0 +1,72 @@
+"""target="cpu": micro-graphs that get no loop kernel (zero-size tensors, dtypes without loop-IR
+code) run as numpy steps whose reason is in the plan, with numpy's numbers; layer 1 is
+memoised by structure without mixing up value names."""
+import numpy as np
+import pytest
+
+import apollo_py as ap
+from apollo_py.layers import fuse_memo
+from apollo_py.runtime.reference import evaluate
+
+
+def _reasons(f):
+    return [k.to_dict().get("reason", "") for k in f.plan.kernels]
+
+
+@pytest.mark.parametrize("op,want", [("reduce_sum", 0.0), ("reduce_max", -np.inf), ("reduce_min", np.inf),
+                                     ("reduce_prod", 1.0)])
+def test_reduction_over_empty_set_is_identity(op, want):
+    b = ap.GraphBuilder("empty_reduce")
+    x = b.input("x", (3, 0, 4))
+    g = b.build([getattr(b, op)(b.exp(x), axes=(1,))])
+    f = ap.jit(g, target="cpu")
+    out = f(np.zeros((3, 0, 4), np.float32))
+    np.testing.assert_array_equal(out, np.full((3, 4), want, np.float32))
+    assert any("zero-size" in r for r in _reasons(f)), _reasons(f)
+
+
+def test_zero_size_elementwise_output():
+    b = ap.GraphBuilder("empty_add")
+    x, y = b.input("x", (0, 5)), b.input("y", (1, 5))
+    g = b.build([b.relu(x + y)])
+    out = ap.jit(g, target="cpu")(np.zeros((0, 5), np.float32), np.ones((1, 5), np.float32))
+    assert out.shape == (0, 5) and out.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32", "uint64"])
+def test_dtype_without_loop_ir_code_runs_numpy_step(dtype):
+    b = ap.GraphBuilder("small_ints")
+    x, y = b.input("x", (4, 6), dtype), b.input("y", (6,), dtype)
+    g = b.build([b.reduce_max(b.max(x + y, y), axes=(1,))])
+    rng = np.random.default_rng(0)
+    info = np.iinfo(dtype)
+    feeds = {"x": rng.integers(info.min // 2, info.max // 2, (4, 6), dtype=dtype),
+             "y": rng.integers(info.min // 2, info.max // 2, (6,), dtype=dtype)}
+    f = ap.jit(g, target="cpu")
+    out = f(**feeds)
+    want = evaluate(g, feeds)[0]
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(want, np.maximum(feeds["x"] + feeds["y"], feeds["y"]).max(axis=1))
+    assert any(f"dtype {dtype} has no loop-IR code" in r for r in _reasons(f)), _reasons(f)
+
+
+def test_memo_shares_structure_not_names():
+    """Two graphs of the same structure: the second hits the memo, keeps its own names and numbers."""
+    def build(prefix, scale):
+        b = ap.GraphBuilder(prefix)
+        x = b.input(prefix + "_x", (8, 16))
+        y = b.exp(x * scale) + x
+        return b.build([b.reduce_sum(y, axes=(1,))])
+    before = len(fuse_memo._MEMO)
+    g1, g2, g3 = build("first", 0.5), build("second", 0.5), build("third", 0.25)
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    outs = []
+    for g in (g1, g2, g3):
+        f = ap.jit(g, target="cpu")
+        outs.append(f(x))
+        np.testing.assert_allclose(outs[-1], evaluate(g, {g.inputs[0]: x})[0], rtol=1e-5, atol=1e-5)
+        loop = f.plan.kernels[0].fused.loop
+        assert all(p.name.startswith(g.name) or p.name in g.outputs for p in loop.params), loop.params
+    assert not np.allclose(outs[0], outs[2])   # a different constant is a different structure
+    assert len(fuse_memo._MEMO) - before <= 2
