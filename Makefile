@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# a trained model for the test suite: silero-vad's wheel ships ONNX files (its torch
+	# dependency is not needed for them, hence --no-deps); tests/models/test_silero_vad.py
+	$(BIN)/python -m pip install --quiet --no-deps 'silero-vad==6.2.3'
 	touch $(STAMP)
 
 setup: $(STAMP)
