@@ -50,9 +50,10 @@ NAN = "0x7FF8000000000000"
 class _Fn:
     """Accumulates the SSA lines of one float function."""
 
-    def __init__(self):
+    def __init__(self, scalef: bool = False):
         self.lines = []
         self.n = 0
+        self.scalef = scalef
 
     def op(self, text: str) -> str:
         self.n += 1
@@ -94,6 +95,8 @@ def _exp(fn: _Fn, x: str) -> str:
     y = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
     y = fn.f("fadd", y, fconst(1.0))
     ni = fn.op(f"fptosi float {n} to i32")
+    if fn.scalef:   # one vscalefps: overflow to inf and one rounding into subnormals, as below
+        return fn.op(f"call float @llvm.ldexp.f32.i32(float {y}, i32 {ni})")
     n1 = fn.op(f"ashr i32 {ni}, 1")
     n2 = fn.op(f"sub i32 {ni}, {n1}")
     scales = []
@@ -155,6 +158,8 @@ def _exp_tanh(fn: _Fn, a: str) -> str:
     y = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
     y = fn.f("fadd", y, fconst(1.0))
     ni = fn.op(f"fptosi float {n} to i32")
+    if fn.scalef:
+        return fn.op(f"call float @llvm.ldexp.f32.i32(float {y}, i32 {ni})")
     b = fn.op(f"add i32 {ni}, 127")
     b = fn.op(f"shl i32 {b}, 23")
     return fn.f("fmul", y, fn.op(f"bitcast i32 {b} to float"))
@@ -251,6 +256,7 @@ INTRINSIC_DECLS = (
     "declare float @llvm.fabs.f32(float)",
     "declare float @llvm.floor.f32(float)",
     "declare float @llvm.copysign.f32(float, float)",
+    "declare float @llvm.ldexp.f32.i32(float, i32)",
 )
 
 
@@ -266,17 +272,20 @@ def helper_names(used) -> list:
     return sorted(out)
 
 
-def render_helpers(used) -> str:
+def render_helpers(used, scalef: bool = False) -> str:
     """Return LLVM IR text defining ``@ap.<name>`` for each helper in ``used`` (+ deps).
 
     Expects names from ``expf logf tanhf erff sigmoidf powf``; the module must also contain
-    the declarations in :data:`INTRINSIC_DECLS` (once).
+    the declarations in :data:`INTRINSIC_DECLS` (once).  ``scalef`` (set for AVX-512 hosts,
+    where LLVM vectorises ``llvm.ldexp`` to one ``vscalefps``) scales exp's result by 2^n
+    with ``llvm.ldexp`` instead of integer exponent arithmetic (same results: ldexp rounds
+    once and overflows to inf); elsewhere ldexp would become scalar libm calls.
     """
     names = helper_names(used)
     parts = []
     for name in names:
         builder, arity = _BUILDERS[name]
-        fn = _Fn()
+        fn = _Fn(scalef)
         args = ["%a", "%b"][:arity]
         res = builder(fn, *args)
         sig = ", ".join(f"float {a}" for a in args)

@@ -474,7 +474,8 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
 
     Lane ``l`` folds the iterations ``lo + l, lo + l + lanes, ...`` of the full blocks in order,
     the tail iterations go to lanes ``0..``, then the lanes are folded left to right into the
-    scalar (the order of ``codegen.templates.lane_reduce``).  A fold straight into a buffer
+    scalar (the order of ``codegen.templates.lane_reduce``; max/min lanes fold as a tree,
+    which gives the same value: :func:`_fold_lanes`).  A fold straight into a buffer
     element (``buf[i] = buf[i] op e``, ``i`` fixed in the loop) is first moved into a scalar
     accumulator (:func:`_promote_store_reductions`), so it gets the same lanes.  A perfect
     two-loop fold ``for j: for l: s = s op e(j, l)`` whose inner extent ``W`` is a multiple of
@@ -552,10 +553,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
         stmts.append(L.For(f.var, f.lo, f.hi, L.Block((
             L.For(inner2.var, inner2.lo, inner2.hi, L.Block(tuple(new_body)), "vector"),)), "serial"))
         for name, (op, dt) in reds.items():
-            a = bufs[name]
-            stmts.append(L.Assign(name, L.Load(a, L.Const(0))))
-            stmts.append(L.For(lane, L.Const(1), L.Const(width),
-                               L.Assign(name, L.Bin(op, L.Var(name, dt), L.Load(a, lane))), "serial"))
+            stmts.extend(_fold_lanes(name, op, dt, bufs[name], lane, width, "serial"))
         stmts.extend(post)
         return L.Block(tuple(stmts))
 
@@ -615,13 +613,31 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
             stmts.append(L.For(tail, L.Const(base), L.Const(hi),
                                lane_body(tail, tail - base), "serial"))
         for name, (op, dt) in reds.items():
-            a = bufs[name]
-            stmts.append(L.Assign(name, L.Load(a, L.Const(0))))
-            stmts.append(L.For(lane, L.Const(1), L.Const(lanes),
-                               L.Assign(name, L.Bin(op, L.Var(name, dt), L.Load(a, lane))), "unroll"))
+            stmts.extend(_fold_lanes(name, op, dt, bufs[name], lane, lanes, "unroll"))
         return L.Block(tuple(stmts))
 
     return visit(stmt), allocs
+
+
+def _fold_lanes(name: str, op: str, dt: str, a: L.Alloc, lane: L.Var, width: int, kind: str) -> list:
+    """Fold the ``width`` lanes of ``a`` into the scalar ``name``.
+
+    Sums and products fold left to right, ``((a0 op a1) op a2) ...`` (the documented order).
+    max and min are associative and commutative (NaN-propagating, -0 < +0 as llvm.maximum),
+    so they fold as a halving tree, ``a[l] = op(a[l], a[l + h])`` for h = width/2, ... 1,
+    which gives the same value in log2(width) vector steps when ``width`` is a power of two.
+    """
+    if op in ("max", "min") and width & (width - 1) == 0 and width > 1:
+        out = []
+        h = width // 2
+        while h >= 1:
+            out.append(L.For(lane, L.Const(0), L.Const(h),
+                             L.Store(a, lane, L.Bin(op, L.Load(a, lane), L.Load(a, lane + h))), "unroll"))
+            h //= 2
+        return out + [L.Assign(name, L.Load(a, L.Const(0)))]
+    return [L.Assign(name, L.Load(a, L.Const(0))),
+            L.For(lane, L.Const(1), L.Const(width),
+                  L.Assign(name, L.Bin(op, L.Var(name, dt), L.Load(a, lane))), kind)]
 
 
 def _fold_targets(body: list, loop_var: str, locals_: set):
