@@ -3,7 +3,7 @@ numpy step, ``jax.jit`` of the same step (when jax is installed) and the rooflin
 
     python benchmarks/bench_train.py [--batch 256] [--rounds 11] [--reps 5] [--warmup 3]
                                      [--targets reference,cpu,cpu-blas] [--optimizers sgd,adam]
-                                     [--threads N] [--no-jax] [--markdown]
+                                     [--threads N] [--no-jax] [--markdown | --profile]
 
 The model: 784-1024-10 MLP with ReLU, softmax cross-entropy, batch 256, float32; SGD (lr 0.1)
 and Adam (lr 1e-3, torch defaults).  Every contender starts from the same weights and its first
@@ -34,6 +34,8 @@ degrades badly when other processes hold the cores (spinning threads), which low
 measured sgemm rate and so the floor; ``--threads 1`` gives the stable single-core figures.
 
 ``--markdown`` prints the "Training step (issue #6)" section of benchmarks/RESULTS.md.
+``--profile`` prints the median time of every runtime step of the cpu training step instead
+(measured from outside the runtime; see :func:`profile_cpu_step`).
 """
 from __future__ import annotations
 
@@ -206,6 +208,90 @@ def run_optimizer(opt: str, args, x, y, w0) -> dict:
             "sgemm_gflops": rate / 1e9, "floor_ms": floor * 1e3, "spread": spread, "notes": notes}
 
 
+# --- per-step profile ---------------------------------------------------------------------
+
+
+def profile_cpu_step(w0, x, y, opt: str, threads: int | None, gemm: str = "auto", calls: int = 15) -> list:
+    """Per-step times of one compiled target="cpu" training step, measured from outside.
+
+    Replays ``CpuExecutable.run``'s precomputed schedule (``_schedule``, ``_fresh``, the arena's
+    ``output_buffer`` / ``keep_outputs``) with a timer around each item, so it is tied to those
+    runtime internals and raises a clear error when they change.  Returns
+    ``[(median ms, description)]`` in execution order, then ``("sum", ms)`` and ``("call", ms)``
+    (a whole ``TrainStep`` call, parameter copies included)."""
+    from apollo_py.runtime.reference import run_nodes
+    from apollo_py.train.step import scalar_inputs
+    kw = {"gemm": gemm, **({"num_threads": threads} if threads else {})}
+    optimizer = ap.optim.SGD(lr=SGD_LR) if opt == "sgd" else ap.optim.Adam(lr=ADAM_LR, betas=BETAS, eps=EPS)
+    step = ap.train_step(mlp_graph(w0, x.shape[0]), optimizer=optimizer, target="cpu", options=ap.Options(**kw))
+    step(labels=y, x=x)
+    fn = step._compiled_for(y, {"x": x})
+    exe = next(iter(fn._cache.values()))
+    if not all(hasattr(exe, a) for a in ("_schedule", "_fresh", "_arenas", "_pool", "constants")):
+        raise SystemExit("--profile: CpuExecutable internals changed; update profile_cpu_step")
+    feeds = fn._bind((), {"x": x, "labels": y, **step.params, **step.state,
+                          **scalar_inputs(step.optimizer, [a.dtype.name for a in step.params.values()], 1)})
+    types = exe.graph.types
+    times: list = [[] for _ in exe._schedule]
+
+    def run():
+        env = dict(exe.constants)
+        env.update(feeds)
+        arena = exe._arenas.acquire()
+        try:
+            env.update(arena.views)
+            for i, (kind, item) in enumerate(exe._schedule):
+                t0 = time.perf_counter()
+                if kind == "kernels":
+                    for s in item:
+                        for v in s.outputs:
+                            if v in exe._fresh:
+                                env[v] = arena.output_buffer(v, *exe._fresh[v])
+                    exe._pool.run_many([(s.compiled, [env[v] for v in s.param_values]) for s in item]) \
+                        if len(item) > 1 else exe._pool.run(item[0].compiled, [env[v] for v in item[0].param_values])
+                elif hasattr(item, "execute"):
+                    item.execute(env, exe._pool)
+                else:
+                    local = {v: env[v] for v in item.inputs}
+                    run_nodes(item.nodes, local, types)
+                    env.update({v: np.array(local[v], order="C") if not local[v].flags.c_contiguous else local[v]
+                                for v in item.outputs})
+                times[i].append(time.perf_counter() - t0)
+            arena.keep_outputs({v: env[v] for v in exe.graph.outputs if v in exe._fresh})
+            env.clear()
+        finally:
+            exe._arenas.release(arena)
+
+    for _ in range(calls):
+        run()
+    rows = []
+    for (kind, item), ts in zip(exe._schedule, times):
+        parts = []
+        for s in (item if kind == "kernels" else [item]):
+            if getattr(s, "fused", None) is not None:
+                what = "kernel " + " ".join(n.op for n in s.fused.nodes)
+            elif hasattr(s, "execute"):
+                what = "generated GEMM + epilogue"
+            else:
+                what = "numpy " + " ".join(n.op for n in s.nodes)
+            parts.append(what + " -> " + ", ".join("x".join(map(str, types[v].shape)) or "scalar" for v in s.outputs))
+        rows.append((statistics.median(ts[2:]) * 1e3, " | ".join(parts)))
+    call = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        step(labels=y, x=x)
+        call.append(time.perf_counter() - t0)
+    return rows + [("sum", sum(r[0] for r in rows)), ("call", statistics.median(call) * 1e3)]
+
+
+def profile_text(rows, title: str) -> str:
+    out = [title]
+    for ms, what in rows[:-2]:
+        out.append(f"  {ms:7.3f} ms  {what}")
+    out.append(f"  {rows[-2][1]:7.3f} ms  sum of steps; {rows[-1][1]:.3f} ms per TrainStep call")
+    return "\n".join(out)
+
+
 # --- reporting ----------------------------------------------------------------------------
 
 
@@ -328,6 +414,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="pin BLAS, apollo and XLA to N threads")
     p.add_argument("--no-jax", action="store_true", help="leave jax.jit out even if installed")
     p.add_argument("--markdown", action="store_true", help="print the RESULTS.md section")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing contenders, print per-step times of the cpu step "
+                        "(Options.gemm auto and blas) for each optimizer")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.rounds < 7:
@@ -344,6 +433,12 @@ def main(argv=None):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((args.batch, D)).astype(np.float32)
     y = rng.integers(0, C, args.batch).astype(np.int64)
+    if args.profile:
+        for o in opts:
+            for gemm in ("auto", "blas"):
+                print(profile_text(profile_cpu_step(w0, x, y, o, args.threads, gemm),
+                                   f"{o}, target=cpu, Options.gemm={gemm!r}, threads {args.threads or 'default'}:"))
+        return
     rows = [run_optimizer(o, args, x, y, w0) for o in opts]
     m = machine()
     print(markdown(rows, args, m) if args.markdown else text_report(rows, args, m))
