@@ -121,8 +121,9 @@ class ThreadPool:
     def run_many(self, items) -> None:
         """Run several independent kernels as one dispatch (layer 3's parallel stitching).
 
-        ``items`` are ``(kernel, arrays)`` pairs whose kernels neither read nor write each
-        other's outputs; each kernel's parallel loop is cut as in :meth:`run` and the threads
+        ``items`` are ``(kernel, arrays)`` or ``(kernel, arrays, max_parts)`` tuples whose
+        kernels neither read nor write each other's outputs; each kernel's parallel loop is
+        cut as in :meth:`run` (into at most ``max_parts`` chunks when given) and the threads
         claim chunks of all of them from one list, so small kernels share the machine instead
         of each paying a wake-up.  Returns when all chunks are done; re-raises the first error.
         """
@@ -130,13 +131,15 @@ class ThreadPool:
             raise ApolloError("ThreadPool.run_many called after close()")
         chunks = []
         per = self.num_threads * self.chunks_per_thread
-        for kernel, arrays in items:
+        for item in items:
+            kernel, arrays = item[0], item[1]
+            parts = min(per, int(item[2])) if len(item) > 2 else per
             ptrs = kernel.pack_args(arrays)
             extent = kernel.parallel_extent
-            if extent is None or extent <= 1 or self.num_threads == 1:
+            if extent is None or extent <= 1 or self.num_threads == 1 or parts <= 1:
                 chunks.append((kernel.cfunc, ptrs, 0, int(extent or 0)))
             else:
-                chunks.extend((kernel.cfunc, ptrs, lo, hi) for lo, hi in self.split(extent, min(per, extent)))
+                chunks.extend((kernel.cfunc, ptrs, lo, hi) for lo, hi in self.split(extent, min(parts, extent)))
         if self.num_threads == 1 or len(chunks) == 1:
             for cfunc, ptrs, lo, hi in chunks:
                 cfunc(ptrs, lo, hi)
