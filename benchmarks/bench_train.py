@@ -3,7 +3,7 @@ numpy step, ``jax.jit`` of the same step (when jax is installed) and the rooflin
 
     python benchmarks/bench_train.py [--batch 256] [--rounds 11] [--reps 5] [--warmup 3]
                                      [--targets reference,cpu,cpu-blas] [--optimizers sgd,adam]
-                                     [--threads N] [--no-jax] [--markdown | --profile]
+                                     [--threads N] [--repeat N] [--no-jax] [--markdown | --profile]
 
 The model: 784-1024-10 MLP with ReLU, softmax cross-entropy, batch 256, float32; SGD (lr 0.1)
 and Adam (lr 1e-3, torch defaults).  Every contender starts from the same weights and its first
@@ -16,7 +16,7 @@ through numpy's BLAS), the plain numpy step of tests/train/models.py and jax.jit
 Timing: all contenders of one optimizer run in one process, interleaved round-robin after
 ``warmup`` calls each; a sample is the mean of ``reps`` consecutive calls and each contender's
 time is the median of ``rounds`` samples, so background load on a shared machine hits all of
-them alike.  ``spread`` is the worst (max - min) / median of any contender's samples.
+them alike.  Ratios (to the floor, to numpy, to jax) are medians of the per-round ratios.  ``spread`` is the worst (max - min) / median of any contender's samples.
 
 Floor: the step's matmul FLOPs (forward X@W1 and A@W2; backward dW2 = Aᵀ@D, dA = D@W2ᵀ,
 dW1 = Xᵀ@dH; the input gradient is not needed) divided by the numpy sgemm rate on the step's
@@ -204,7 +204,16 @@ def run_optimizer(opt: str, args, x, y, w0) -> dict:
     rate = 2.0 * args.batch * D * H / med.pop("sgemm")
     floor = step_flops(args.batch) / rate
     spread = max((max(v) - min(v)) / statistics.median(v) for k, v in samples.items() if k != "sgemm")
-    return {"opt": opt, "ms": {k: v * 1e3 for k, v in med.items()}, "build_s": build_s,
+    # ratios: median over rounds of the per-round ratio (a round's contenders and its sgemm sample
+    # run back to back, so they share that round's background load)
+    floors = [step_flops(args.batch) * t / (2.0 * args.batch * D * H) for t in samples["sgemm"]]
+    ratio = {k: {"floor": statistics.median(a / f for a, f in zip(v, floors))} for k, v in samples.items()
+             if k != "sgemm"}
+    for k in ratio:
+        for other in ("numpy", "jax.jit"):
+            if other in samples:
+                ratio[k][other] = statistics.median(a / b for a, b in zip(samples[k], samples[other]))
+    return {"opt": opt, "ms": {k: v * 1e3 for k, v in med.items()}, "ratio": ratio, "build_s": build_s,
             "sgemm_gflops": rate / 1e9, "floor_ms": floor * 1e3, "spread": spread, "notes": notes}
 
 
@@ -335,8 +344,9 @@ def machine() -> dict:
             "numpy": np.__version__, "jax": jax_v, "blas": blas, "env": env, "git": _git_commit()}
 
 
-def _r(a, b) -> str:
-    return f"{a / b:.2f}" if (a is not None and b) else "n/a"
+def _r(row, name: str, base: str) -> str:
+    v = row["ratio"].get(name, {}).get(base)
+    return f"{v:.2f}" if v is not None else "n/a"
 
 
 def text_report(rows, args, m) -> str:
@@ -344,11 +354,11 @@ def text_report(rows, args, m) -> str:
            f"after {args.warmup} warm-up; {m['cores']} cores, load {m['load']}; BLAS {m['blas']}; "
            f"env {m['env'] or 'none'}"]
     for r in rows:
-        out.append(f"{r['opt']}: numpy sgemm {r['sgemm_gflops']:.1f} GFLOP/s -> floor {r['floor_ms']:.2f} ms "
+        out.append(f"{r['opt']} (run {r['run']}): numpy sgemm {r['sgemm_gflops']:.1f} GFLOP/s -> floor {r['floor_ms']:.2f} ms "
                    f"({step_flops(args.batch) / 1e9:.3f} GFLOP); spread {r['spread'] * 100:.0f}%")
         for k, v in r["ms"].items():
-            out.append(f"  {k:18s} {v:8.2f} ms/step   x{v / r['floor_ms']:.2f} floor   "
-                       f"x{v / r['ms']['numpy']:.2f} numpy   (build + first step {r['build_s'][k]:.2f} s)")
+            out.append(f"  {k:18s} {v:8.2f} ms/step   x{_r(r, k, 'floor')} floor   "
+                       f"x{_r(r, k, 'numpy')} numpy   (build + first step {r['build_s'][k]:.2f} s)")
         out.extend("  " + n for n in r["notes"])
     return "\n".join(out)
 
@@ -356,7 +366,7 @@ def text_report(rows, args, m) -> str:
 def markdown(rows, args, m) -> str:
     names = [f"apollo {t}" for t in args.targets] + ["numpy", "jax.jit"]
     cpu = "apollo cpu" if "cpu" in args.targets else None
-    head = ["optimizer"] + [f"{n} ms" for n in names] + ["sgemm GFLOP/s", "floor ms"]
+    head = ["optimizer", "run"] + [f"{n} ms" for n in names] + ["sgemm GFLOP/s", "floor ms"]
     head += [f"{n}/floor" for n in names]
     if cpu:
         head += ["apollo cpu/numpy", "apollo cpu/jax"]
@@ -373,20 +383,22 @@ def markdown(rows, args, m) -> str:
              f"- Times: median ms per step of {args.rounds} round-robin samples (each the mean of {args.reps} "
              f"calls) after {args.warmup} warm-up calls; `floor` = {step_flops(args.batch) / 1e9:.3f} GFLOP of "
              "step matmuls / numpy sgemm rate on the step's largest product (B x 784 x 1024), sampled in "
-             "the same round-robin; `spread` = worst (max-min)/median of any contender", "",
+             "the same round-robin; ratios are medians of per-round ratios (a round's contenders and "
+             "sgemm sample run back to back under the same background load); `spread` = worst "
+             "(max-min)/median of any contender's samples", "",
              "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         ms = r["ms"]
-        cells = [r["opt"]] + [f"{ms[n]:.2f}" if n in ms else "n/a" for n in names]
+        cells = [r["opt"], str(r["run"])] + [f"{ms[n]:.2f}" if n in ms else "n/a" for n in names]
         cells += [f"{r['sgemm_gflops']:.0f}", f"{r['floor_ms']:.2f}"]
-        cells += [_r(ms.get(n), r["floor_ms"]) for n in names]
+        cells += [_r(r, n, "floor") for n in names]
         if cpu:
-            cells += [_r(ms.get(cpu), ms.get("numpy")), _r(ms.get(cpu), ms.get("jax.jit"))]
+            cells += [_r(r, cpu, "numpy"), _r(r, cpu, "jax.jit")]
         cells += [f"{r['spread'] * 100:.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = sorted({n for r in rows for n in r["notes"]})
     builds = "; ".join(f"{r['opt']}: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["build_s"].items())
-                       for r in rows)
+                       for r in rows if r["run"] == 1)
     lines += ["", f"- Build + first step (compile included): {builds}"] + [f"- {n}" for n in notes]
     return "\n".join(lines)
 
@@ -412,6 +424,8 @@ def main(argv=None):
                    help="apollo targets, comma-separated: reference, cpu, cpu-blas (gemm='blas')")
     p.add_argument("--optimizers", default="sgd,adam")
     p.add_argument("--threads", type=int, default=None, help="pin BLAS, apollo and XLA to N threads")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure everything this many times (one table row per run and optimizer)")
     p.add_argument("--no-jax", action="store_true", help="leave jax.jit out even if installed")
     p.add_argument("--markdown", action="store_true", help="print the RESULTS.md section")
     p.add_argument("--profile", action="store_true",
@@ -439,7 +453,10 @@ def main(argv=None):
                 print(profile_text(profile_cpu_step(w0, x, y, o, args.threads, gemm),
                                    f"{o}, target=cpu, Options.gemm={gemm!r}, threads {args.threads or 'default'}:"))
         return
-    rows = [run_optimizer(o, args, x, y, w0) for o in opts]
+    rows = []
+    for rep in range(args.repeat):
+        for o in opts:
+            rows.append({**run_optimizer(o, args, x, y, w0), "run": rep + 1})
     m = machine()
     print(markdown(rows, args, m) if args.markdown else text_report(rows, args, m))
 
