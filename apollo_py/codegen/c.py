@@ -18,8 +18,10 @@ from apollo_py.codegen.compiled import CompiledKernelBase
 from apollo_py.codegen.printer import Printer, expand_pow
 from apollo_py.errors import CompileError
 
-_C_TYPES = {"float32": "float", "float64": "double", "float16": "_Float16",
-            "int32": "int32_t", "int64": "int64_t", "bool": "bool"}
+_C_TYPES = {"float32": "float", "float64": "double", "float16": "_Float16", "bool": "bool",
+            **{d: d + "_t" for d in L.INT_DTYPES}}
+#: integer dtypes narrower than int: C promotes them, so wrapping ops cast back explicitly
+_NARROW = ("int8", "int16", "uint8", "uint16")
 _SUFFIX = {"float32": "f", "float64": ""}
 
 
@@ -74,8 +76,7 @@ class CPrinter(Printer):
     unary_ops = {
         "neg": "(-{a})",
         ("abs", "float"): _m("fabs"),
-        ("abs", "int32"): "(({a}) < 0 ? -({a}) : ({a}))",
-        ("abs", "int64"): "(({a}) < 0 ? -({a}) : ({a}))",
+        ("abs", "int"): "(({a}) < 0 ? -({a}) : ({a}))",
         ("exp", "float"): _m("exp"),
         ("log", "float"): _m("log"),
         ("sqrt", "float"): _m("sqrt"),
@@ -87,6 +88,7 @@ class CPrinter(Printer):
             f"({_lit(d, 1.0)} / ({_lit(d, 1.0)} + {_m('exp')(p, d, f'(-{a})')}))"),
         ("relu", "float"): "(({a}) < 0 ? 0 : ({a}))",
         ("relu", "int"): "(({a}) < 0 ? 0 : ({a}))",
+        **{(op, d): "({a})" for op in ("abs", "relu") for d in L.UINT_DTYPES},
         ("floor", "float"): _m("floor"),
         ("ceil", "float"): _m("ceil"),
         ("not", "bool"): "(!{a})",
@@ -120,8 +122,10 @@ class CPrinter(Printer):
             return "true" if e.value else "false"
         if e.dtype == "int64":
             return f"INT64_C({e.value})"
+        if L.is_unsigned(e.dtype):
+            return f"(({self.type_name(e.dtype)}){e.value}ULL)"
         if L.is_int(e.dtype):
-            return f"((int32_t){e.value})"
+            return f"(({self.type_name(e.dtype)}){e.value})"
         v = float(e.value)
         if v != v:
             return "((float)NAN)" if e.dtype == "float32" else "((double)NAN)"
@@ -141,13 +145,19 @@ class CPrinter(Printer):
         a, b = self.expr(e.a, index), self.expr(e.b, index)
         if e.op in ("max", "min", "mod"):
             a, b = self.bind(a, e.a.dtype), self.bind(b, e.b.dtype)
-        return self.apply(self.lookup(self.binary_ops, e.op, e.a.dtype), e.a.dtype, a, b)
+        code = self.apply(self.lookup(self.binary_ops, e.op, e.a.dtype), e.a.dtype, a, b)
+        if e.a.dtype in _NARROW and e.op in ("add", "sub", "mul"):
+            code = f"(({self.type_name(e.a.dtype)}){code})"   # wrap like numpy and LLVM
+        return code
 
     def expr_Un(self, e: L.Un, index: bool) -> str:
         a = self.expr(e.a, index)
         if e.op in ("abs", "relu"):
             a = self.bind(a, e.a.dtype)
-        return self.apply(self.lookup(self.unary_ops, e.op, e.a.dtype), e.a.dtype, a)
+        code = self.apply(self.lookup(self.unary_ops, e.op, e.a.dtype), e.a.dtype, a)
+        if e.a.dtype in _NARROW and e.op in ("neg", "abs", "not"):
+            code = f"(({self.type_name(e.a.dtype)}){code})"
+        return code
 
     def expr_Select(self, e: L.Select, index: bool) -> str:
         return f"({self.expr(e.cond)} ? {self.expr(e.a)} : {self.expr(e.b)})"

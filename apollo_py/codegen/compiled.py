@@ -12,8 +12,8 @@ from apollo_py.errors import CompileError, InputError
 
 KERNEL_CFUNCTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
-_NUMPY_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16",
-                "int32": "int32", "int64": "int64", "bool": "bool"}
+_NUMPY_NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "bool": "bool",
+                **{d: d for d in L.INT_DTYPES}}
 
 
 class CompiledKernelBase:

@@ -14,8 +14,8 @@ import numpy as np
 from apollo_py.codegen import loopir as L
 from apollo_py.errors import CompileError, InputError
 
-_NP = {"float32": np.float32, "float64": np.float64, "float16": np.float32,
-       "int32": np.int32, "int64": np.int64, "bool": np.bool_}
+_NP = {"float32": np.float32, "float64": np.float64, "float16": np.float32, "bool": np.bool_,
+       **{d: np.dtype(d).type for d in L.INT_DTYPES}}
 
 _BIN = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,

@@ -41,10 +41,12 @@ from apollo_py.errors import CompileError
 FM = "nsz arcp contract"
 FM_EXACT = "nsz contract"  # no arcp: keeps 1/sqrt(x) exact at 0 and inf (no rsqrt estimate)
 
-_LLVM_TYPES = {"float32": "float", "float64": "double", "float16": "half", "int32": "i32",
-               "int64": "i64", "bool": "i1"}
+_LLVM_TYPES = {"float32": "float", "float64": "double", "float16": "half", "int8": "i8", "int16": "i16",
+               "int32": "i32", "int64": "i64", "uint8": "i8", "uint16": "i16", "uint32": "i32",
+               "uint64": "i64", "bool": "i1"}
 _MEM_TYPES = dict(_LLVM_TYPES, bool="i8")
-_SIZES = {"float32": 4, "float64": 8, "float16": 2, "int32": 4, "int64": 8, "bool": 1}
+_SIZES = {"float32": 4, "float64": 8, "float16": 2, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+          "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
 _FSUFFIX = {"float32": "f32", "float64": "f64"}
 
 
@@ -100,6 +102,20 @@ def _float_mod(p: "LLVMPrinter", dtype: str, a: str, b: str) -> str:
     f = p.emit(_float_floordiv(p, dtype, a, b))
     m = p.emit(f"fmul {FM} {t} {f}, {b}")
     return f"fsub {FM} {t} {a}, {m}"
+
+
+def _unsigned_ops() -> tuple[dict, dict]:
+    """Binary and unary templates for the unsigned dtypes (keyed by dtype, so they win over
+    the signed ``"int"`` entries): unsigned division, remainder, min/max and compares; abs and
+    relu are the identity."""
+    binary, unary = {}, {}
+    for d in L.UINT_DTYPES:
+        binary.update({("floordiv", d): "udiv {t} {a}, {b}", ("mod", d): "urem {t} {a}, {b}",
+                       ("max", d): _int_intrinsic("umax"), ("min", d): _int_intrinsic("umin"),
+                       ("lt", d): "icmp ult {t} {a}, {b}", ("le", d): "icmp ule {t} {a}, {b}",
+                       ("gt", d): "icmp ugt {t} {a}, {b}", ("ge", d): "icmp uge {t} {a}, {b}"})
+        unary.update({("abs", d): "or {t} {a}, 0", ("relu", d): "or {t} {a}, 0"})
+    return binary, unary
 
 
 def _relu(p: "LLVMPrinter", dtype: str, a: str) -> str:
@@ -190,6 +206,8 @@ class LLVMPrinter(Printer):
         ("not", "bool"): "xor i1 {a}, true",
         ("not", "int"): "xor {t} {a}, -1",
     }
+    binary_ops.update(_unsigned_ops()[0])
+    unary_ops.update(_unsigned_ops()[1])
 
     def __init__(self) -> None:
         super().__init__()
@@ -273,20 +291,25 @@ class LLVMPrinter(Printer):
         if L.is_float(src) and L.is_float(dst):
             op = "fpext" if _SIZES[dst] > _SIZES[src] else "fptrunc"
         elif L.is_float(src):
-            op = "fptosi"
+            op = "fptoui" if L.is_unsigned(dst) else "fptosi"
         elif L.is_float(dst):
-            op = "uitofp" if src == "bool" else "sitofp"
+            op = "uitofp" if src == "bool" or L.is_unsigned(src) else "sitofp"
         elif src == "bool":
             op = "zext"
+        elif _SIZES[dst] == _SIZES[src]:
+            return a          # int32 <-> uint32 etc.: same bits
+        elif _SIZES[dst] > _SIZES[src]:
+            op = "zext" if L.is_unsigned(src) else "sext"
         else:
-            op = "sext" if _SIZES[dst] > _SIZES[src] else "trunc"
+            op = "trunc"
         return self.emit(f"{op} {ts} {a} to {td}")
 
     def address(self, buf, index: L.Expr) -> str:
         slot = self.lookup_var("@buf:" + buf.name)[0]
         idx = self.expr(index, True)
         if index.dtype != "int64":
-            idx = self.emit(f"sext {self.type_name(index.dtype)} {idx} to i64")
+            ext = "zext" if L.is_unsigned(index.dtype) else "sext"
+            idx = self.emit(f"{ext} {self.type_name(index.dtype)} {idx} to i64")
         return self.emit(f"getelementptr inbounds {_MEM_TYPES[buf.dtype]}, ptr {slot}, i64 {idx}")
 
     def expr_Load(self, e: L.Load, index: bool) -> str:
@@ -427,7 +450,10 @@ class LLVMPrinter(Printer):
         attrs = [f"attributes #0 = {{ noinline nounwind {cpu_attrs} }}",
                  f"attributes #1 = {{ alwaysinline nounwind memory(none) {cpu_attrs} }}",
                  f"attributes #2 = {{ nounwind {cpu_attrs} }}"]
-        parts = [f"; kernel {k.name}", *self.decls.keys(),
+        # param dtypes in the text: int8 and uint8 kernels may render alike but must not share a
+        # loaded kernel (its argument checks are per dtype); the cache key hashes this text
+        parts = [f"; kernel {k.name}", f"; param dtypes {' '.join(p.dtype for p in k.params)}",
+                 *self.decls.keys(),
                  llvm_math.render_helpers(self.helpers, scalef="+avx512f" in cpu_attrs),
                  "\n".join(impl), "\n".join(wrapper), *attrs, *self.metadata]
         return "\n".join(parts) + "\n"

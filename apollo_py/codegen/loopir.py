@@ -4,7 +4,9 @@ Buffers are flat, contiguous and row-major; every index is an int64 expression. 
 are frozen dataclasses, so they hash and compare structurally; :func:`structural_key` is a
 sha256 over the canonical printed form (:func:`format_node`).
 
-dtypes are strings: ``float32``, ``float64``, ``float16``, ``int32``, ``int64``, ``bool``.
+dtypes are strings: ``float32``, ``float64``, ``float16``, the signed integers ``int8/16/32/64``,
+the unsigned ``uint8/16/32/64`` (renderers pick unsigned compares, divisions and casts for these),
+and ``bool``.
 ``float16`` is a storage type only: loading a float16 buffer yields a float32 value and
 storing converts back, so expressions never have dtype float16.
 
@@ -21,9 +23,11 @@ from typing import Optional, Union
 
 from apollo_py.errors import CompileError
 
-DTYPES = ("float32", "float64", "float16", "int32", "int64", "bool")
+DTYPES = ("float32", "float64", "float16", "int8", "int16", "int32", "int64",
+          "uint8", "uint16", "uint32", "uint64", "bool")
 FLOAT_DTYPES = ("float32", "float64", "float16")
-INT_DTYPES = ("int32", "int64")
+UINT_DTYPES = ("uint8", "uint16", "uint32", "uint64")
+INT_DTYPES = ("int8", "int16", "int32", "int64") + UINT_DTYPES
 
 BINARY_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "max", "min", "pow",
               "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
@@ -55,8 +59,13 @@ def is_float(dtype: str) -> bool:
 
 
 def is_int(dtype: str) -> bool:
-    """True for int32 and int64."""
+    """True for the integer dtypes, signed and unsigned (not bool)."""
     return dtype in INT_DTYPES
+
+
+def is_unsigned(dtype: str) -> bool:
+    """True for uint8/16/32/64."""
+    return dtype in UINT_DTYPES
 
 
 # --------------------------------------------------------------------------- expressions

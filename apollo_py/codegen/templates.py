@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy as np
+
 from apollo_py.codegen import loopir as L
 from apollo_py.errors import CompileError
 
@@ -43,8 +45,8 @@ def identity(op: str, dtype: str) -> L.Const:
         return L.Const(op == "min", "bool")
     if L.is_float(dtype):
         return L.Const(float("-inf") if op == "max" else float("inf"), dtype)
-    bits = 63 if dtype == "int64" else 31
-    return L.Const(-(2 ** bits) if op == "max" else 2 ** bits - 1, dtype)
+    info = np.iinfo(np.dtype(dtype))
+    return L.Const(int(info.min) if op == "max" else int(info.max), dtype)
 
 
 def combine(op: str, a: L.Expr, b: L.Expr) -> L.Expr:

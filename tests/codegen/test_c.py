@@ -179,3 +179,27 @@ def test_ubsan_clean(build, arrays, rng):
     except CompileError as exc:
         pytest.skip(f"C compiler without UBSan: {exc}")
     ck(arrays(rng))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "uint8", "uint16", "uint32", "uint64"])
+def test_small_and_unsigned_ints_agree(dtype, rng):
+    """Wrapping add/mul, unsigned compares, max and casts: C, LLVM and numpy."""
+    from apollo_py.codegen import loopir as L
+    n = 257
+    a, b = L.Param("a", dtype, n), L.Param("b", dtype, n)
+    o, of = L.Param("o", dtype, n), L.Param("of", "float32", n)
+    i = L.Var("i")
+    s = a[i] + b[i]
+    body = L.for_("i", 0, n, [L.Store(o, i, L.Select(L.gt(s, b[i]), L.maximum(s, a[i]), b[i] * 3)),
+                              L.Store(of, i, L.Cast("float32", a[i]))], "parallel")
+    k = L.Kernel(f"ints_{dtype}", (a, b, o, of), body, "i", n)
+    info = np.iinfo(dtype)
+    av = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    bv = rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    c_out, l_out = _both(k, lambda: [av, bv, np.empty(n, dtype), np.empty(n, np.float32)])
+    with np.errstate(over="ignore"):
+        sv = av + bv
+        want = np.where(sv > bv, np.maximum(sv, av), bv * np.array(3, dtype))
+    for got in (c_out, l_out):
+        np.testing.assert_array_equal(got[2], want)
+        np.testing.assert_array_equal(got[3], av.astype(np.float32))
