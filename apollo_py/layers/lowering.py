@@ -183,7 +183,8 @@ def _no_kernel_reason(nodes, types) -> str:
 
     A zero-size tensor anywhere (empty output, or a reduction over an empty set, whose result
     is the reduction's identity) has nothing to loop over: the numpy references handle it.
-    A dtype the loop IR has no code for (int8/16, unsigned integers) runs through numpy too.
+    A dtype the loop IR has no code for runs through numpy too (none today: loopir.DTYPES
+    covers every IR dtype; kept so that a new IR dtype never fails on target="cpu").
     """
     from ..codegen.loopir import DTYPES as CODEGEN_DTYPES
     vals = {v for n in nodes for v in (*n.inputs, *n.outputs)}
