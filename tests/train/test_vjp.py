@@ -157,7 +157,17 @@ def test_pad(mode, shape, data, seed):
 
 
 MATMUL_SHAPES = [((4,), (4,)), ((4,), (4, 3)), ((2, 4), (4,)), ((2, 4), (4, 3)),
-                 ((2, 3, 4), (4, 2)), ((3, 4), (2, 4, 5)), ((2, 1, 3, 4), (3, 4, 2)), ((5,), (2, 5, 3))]
+                 ((2, 3, 4), (4, 2)), ((3, 4), (2, 4, 5)), ((2, 1, 3, 4), (3, 4, 2)), ((5,), (2, 5, 3)),
+                 # thin sides: the VJP transposes the cheaper side (swap(g) @ a, then swap back),
+                 # for the right operand, the left one, and batched with a gemv batch sum
+                 ((9, 12), (12, 2)), ((2, 12), (12, 9)), ((8, 9, 12), (12, 2))]
+
+
+@pytest.mark.parametrize("sa,sb", [((10, 12), (12,)), ((2, 5, 12), (12,)), ((9, 3), (1, 3))])
+def test_broadcast_add_leading_sum_as_gemv(sa, sb):
+    """Leading-axes cotangent sums of >= 8 x 8 run as ones @ g (train.graphs.sum_to)."""
+    rng = np.random.default_rng(sum(sa))
+    check_vjp(lambda b, x, y: b.add(x, y), [_rand(rng, sa), _rand(rng, sb)], rng=rng)
 
 
 @pytest.mark.parametrize("sa,sb", MATMUL_SHAPES)
