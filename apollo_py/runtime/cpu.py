@@ -67,7 +67,10 @@ def thread_pool(num_threads: int | None):
 class CpuExecutable:
     """Runs ``steps`` over a memory plan; ``plan`` describes what was compiled and why."""
 
-    def __init__(self, graph: Graph, steps: Sequence, plan, num_threads: int | None = None):
+    def __init__(self, graph: Graph, steps: Sequence, plan, num_threads: int | None = None,
+                 machine=None):
+        from ..layers.cost import DEFAULT_MACHINE
+        self.machine = machine or DEFAULT_MACHINE   # layer 3's cost model (layers/cost.py)
         self.graph = graph
         self.steps = list(steps)
         self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
@@ -92,10 +95,11 @@ class CpuExecutable:
         """Steps in order, consecutive independent kernel steps merged into one dispatch.
 
         Returns a list of ``("kernels", [KernelStep, ...])`` and ``("step", step)`` entries.
-        Kernel steps are merged (layer 3's parallel stitching, run as one thread-pool job)
-        while no member reads or writes a value another member writes and no member's arena
-        slot overlaps a buffer of another member (the memory plan reuses slots in step
-        order, which a concurrent run must not see).  Tiny kernels (under ``INLINE_BYTES``
+        A run of consecutive kernel steps is independent while no member reads or writes a
+        value another member writes and no member's arena slot overlaps a buffer of another
+        member (the memory plan reuses slots in step order, which a concurrent run must not
+        see); layer 3's policy (``layers.layer3.stitch_parallel`` with the cost model
+        ``self.machine``) then picks which members of the run share one thread-pool job.  Tiny kernels (under ``INLINE_BYTES``
         moved) run on the calling thread without waking the pool.
         """
         slots = self.memory.slots
@@ -108,6 +112,10 @@ class CpuExecutable:
 
         out: list = []
         group: list = []
+
+        def flush():
+            out.extend(("kernels", g) for g in _layer3_groups(group, self.machine))
+
         for s in self.steps:
             if isinstance(s, KernelStep):
                 if group:
@@ -119,15 +127,15 @@ class CpuExecutable:
                     if ok:
                         group.append(s)
                         continue
-                    out.append(("kernels", group))
+                    flush()
                 group = [s]
                 continue
             if group:
-                out.append(("kernels", group))
+                flush()
                 group = []
             out.append(("step", s))
         if group:
-            out.append(("kernels", group))
+            flush()
         return out
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -179,6 +187,28 @@ class CpuExecutable:
             return result
         finally:
             self._arenas.release(arena)
+
+
+class _Layer3Kernel:
+    """A kernel step as layer 3 sees it: value names, bytes, flops, compute-bound flag."""
+
+    def __init__(self, step, machine):
+        self.step = step
+        self.name = step.compiled.name
+        self.inputs = tuple(v for v in step.param_values if v not in step.outputs)
+        self.outputs = tuple(step.outputs)
+        self.bytes = step.fused.bytes if step.fused is not None else 0
+        self.flops = step.fused.flops if step.fused is not None else 0
+        self.compute_bound = machine.is_compute_bound(self.bytes, self.flops)
+
+
+def _layer3_groups(run: list, machine) -> list:
+    """Split a run of mutually independent kernel steps into layer 3's parallel groups."""
+    if len(run) < 2:
+        return [run] if run else []
+    from ..layers.layer3 import stitch_parallel
+    groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine)
+    return [[k.step for k in g] for g in groups]
 
 
 def _parts(step) -> int:
