@@ -14,9 +14,9 @@ Algorithms (max relative error vs numpy in float32 is checked by tests/codegen):
 * log: Cephes ``logf`` -- frexp by bit manipulation (subnormals pre-scaled by 2^23),
   mantissa folded to [sqrt(1/2), sqrt(2)), degree-8 polynomial; log(0) = -inf,
   log(x < 0) = nan, log(inf) = inf.
-* tanh: |x| < 0.625: Cephes ``tanhf`` odd polynomial; else sign(x) (1 - 2 / (exp(2|x|) + 1))
-  with 2|x| clamped to 20 (tanh is 1 in float32 from 2|x| = 18.1), so exp is the Cephes
-  reduction and polynomial with a single 2^n scale and no range clamps.
+* tanh: expm1(2x) / (expm1(2x) + 2), 2x clamped to +-20 (tanh is +-1 in float32 from
+  |2x| = 18.1); expm1(2x) = 2^n expm1(r) + (2^n - 1) with exp's Cephes reduction and
+  polynomial, so it is accurate near 0 and near +-1 alike (GELU's 1 + tanh needs the latter).
 * erf: |x| < 1: Cephes ``erff`` odd polynomial; else sign(x) (1 - erfc(|x|)) with Cephes
   ``erfcf`` (exp(-x^2) / x times a polynomial in 1/x^2), clamped at |x| = 4 where erf = +-1 in
   float32.
@@ -144,9 +144,13 @@ def _log(fn: _Fn, x: str) -> str:
     return fn.sel(fn.cmp("uno", x, x), x, r)
 
 
-def _exp_tanh(fn: _Fn, a: str) -> str:
-    """exp(a) for a in [0, 20] (or NaN): :func:`_exp` without the range clamps and with one
-    scale factor 2^n (n <= 29 cannot overflow); a NaN ``a`` gives NaN."""
+def _tanh(fn: _Fn, x: str) -> str:
+    """tanh(x) = expm1(2x) / (expm1(2x) + 2), one branch-free path (no cancellation near 0:
+    expm1 is computed as 2^n expm1(r) + (2^n - 1) with Cephes' reduction and polynomial)."""
+    a = fn.f("fadd", x, x)
+    # tanh rounds to +-1 in float32 beyond |2x| = 18.1: clamp (NaN passes) so 2^n is normal
+    a = fn.sel(fn.cmp("ogt", a, fconst(20.0)), fconst(20.0), a)
+    a = fn.sel(fn.cmp("olt", a, fconst(-20.0)), fconst(-20.0), a)
     t = fn.f("fmul", a, fconst(1.44269504088896341))
     n = fn.op(f"call float @llvm.rint.f32(float {t})")
     n = fn.sel(fn.cmp("uno", a, a), fconst(0.0), n)
@@ -155,32 +159,17 @@ def _exp_tanh(fn: _Fn, a: str) -> str:
     p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
                     1.6666665459E-1, 5.0000001201E-1])
     z = fn.f("fmul", r, r)
-    y = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
-    y = fn.f("fadd", y, fconst(1.0))
+    em_r = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
     ni = fn.op(f"fptosi float {n} to i32")
     if fn.scalef:
-        return fn.op(f"call float @llvm.ldexp.f32.i32(float {y}, i32 {ni})")
-    b = fn.op(f"add i32 {ni}, 127")
-    b = fn.op(f"shl i32 {b}, 23")
-    return fn.f("fmul", y, fn.op(f"bitcast i32 {b} to float"))
-
-
-def _tanh(fn: _Fn, x: str) -> str:
-    ax = fn.op(f"call float @llvm.fabs.f32(float {x})")
-    a2 = fn.f("fadd", ax, ax)
-    # tanh(|x|) rounds to 1 for 2|x| > 18.1: clamp so that exp needs no overflow handling
-    a2 = fn.sel(fn.cmp("ogt", a2, fconst(20.0)), fconst(20.0), a2)
-    e = _exp_tanh(fn, a2)
-    d = fn.f("fadd", e, fconst(1.0))
-    q = fn.f("fdiv", fconst(2.0), d)
-    big = fn.f("fsub", fconst(1.0), q)
-    big = fn.op(f"call float @llvm.copysign.f32(float {big}, float {x})")
-    z = fn.f("fmul", x, x)
-    p = fn.poly(z, [-5.70498872745E-3, 2.06390887954E-2, -5.37397155531E-2,
-                    1.33314422036E-1, -3.33332819422E-1])
-    xz = fn.f("fmul", x, z)
-    small = fn.op(f"call float @llvm.fma.f32(float {xz}, float {p}, float {x})")
-    return fn.sel(fn.cmp("olt", ax, fconst(0.625)), small, big)
+        sc = fn.op(f"call float @llvm.ldexp.f32.i32(float {fconst(1.0)}, i32 {ni})")
+    else:
+        b = fn.op(f"add i32 {ni}, 127")
+        sc = fn.op(f"bitcast i32 {fn.op(f'shl i32 {b}, 23')} to float")
+    sm1 = fn.f("fsub", sc, fconst(1.0))
+    em = fn.op(f"call float @llvm.fma.f32(float {sc}, float {em_r}, float {sm1})")
+    d = fn.f("fadd", em, fconst(2.0))
+    return fn.f("fdiv", em, d)
 
 
 def _erf(fn: _Fn, x: str) -> str:
