@@ -45,9 +45,11 @@ class ReferenceStep:
 
 #: a kernel moving fewer bytes than this runs on the calling thread (a pool wake-up costs more)
 INLINE_BYTES = 64 * 1024
-#: a chunk of a kernel's parallel loop moves at least about this many bytes (each chunk is one
-#: ctypes call, ~2 us from Python; a 512 x 4 x 16 bag sum cut into 8 chunks was overhead-bound)
-CHUNK_BYTES = 128 * 1024
+#: a chunk of a kernel's parallel loop moves at least about this many bytes: each chunk is one
+#: ctypes call plus a claim under the GIL (a 512 x 4 x 16 bag sum cut into 8 chunks was
+#: overhead-bound; four_branches' 4 x 1 MiB group, busy 2-core box: 128 KiB chunks 0.47 ms,
+#: 1 MiB 0.41 ms; softmax [768,128,128] the same for 64 KiB .. 4 MiB)
+CHUNK_BYTES = 1024 * 1024
 
 _POOLS: dict[int, object] = {}
 _POOL_LOCK = threading.Lock()
