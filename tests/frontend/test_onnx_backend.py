@@ -19,9 +19,12 @@ import apollo_py
 
 
 # Inputs that node tests feed at run time although the op needs their values at compile time
-# (shapes, axes, pads, repeats, ...).  apollo_py specialises on input *shapes*, so a real model
-# must compute these from constants or shapes; the test backend freezes them into initializers
-# (with the test's values) before compiling, exactly as an exporter would have.
+# (shapes, axes, pads, repeats, ...).  apollo_py specialises on input *shapes*; a model that
+# feeds these at run time is compiled in stages (frontend/staged.py), the node whose output shape
+# depends on data running through onnx.reference.  The test backend freezes them into
+# initializers (with the test's values), as an exporter would have, so that the cases test
+# apollo_py's own converters for these ops.  (Unfrozen, every non-excluded case passes too,
+# through the staged path: measured once, 1595/1595 reference and 1592/1592 cpu.)
 STATIC_OPERANDS = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,),
     "Unsqueeze": (1,), "Pad": (1, 2, 3), "Split": (1,), "ConstantOfShape": (0,),
