@@ -111,14 +111,73 @@ class CompiledGraph:
             shapes[s.name] = tuple(shape)
         return self.specialization(shapes).plan
 
-    def __call__(self, *args, **kwargs):
-        outs = self.run(*args, **kwargs)
+    def __call__(self, *args, out=None, **kwargs):
+        outs = self.run(*args, out=out, **kwargs)
         return outs[0] if len(outs) == 1 else outs
 
-    def run(self, *args, **kwargs) -> list[np.ndarray]:
-        """Like calling the model, but always returns the list of outputs."""
+    def run(self, *args, out=None, **kwargs) -> list[np.ndarray]:
+        """Like calling the model, but always returns the list of outputs.
+
+        ``out``: caller-provided output arrays, written in place and returned -- one array (a
+        single-output model), a list with one entry per output (None = allocate that one), or
+        a dict output name -> array.  Each must have the output's shape and dtype, be
+        C-contiguous and writeable, and share no memory with an input.  (An input that is
+        itself named ``out`` must then be passed by position.)
+        """
         feeds = self._bind(args, kwargs)
-        return list(self.specialization({k: v.shape for k, v in feeds.items()}).run(feeds))
+        exe = self.specialization({k: v.shape for k, v in feeds.items()})
+        if out is None:
+            return list(exe.run(feeds))
+        dest = self._bind_out(out, exe.graph if hasattr(exe, "graph") else None, feeds)
+        if getattr(exe, "supports_out", False):
+            return list(exe.run(feeds, out=dest))
+        result = list(exe.run(feeds))
+        for k, name in enumerate(self.output_names):
+            if name in dest:
+                d, r = dest[name], result[k]
+                if d.shape != r.shape or d.dtype != r.dtype:
+                    raise InputError(f"out[{name!r}] has shape {d.shape} and dtype {d.dtype}; the output "
+                                     f"is {r.shape} {r.dtype}")
+                np.copyto(d, r)
+                result[k] = d
+        return result
+
+    def _bind_out(self, out, graph, feeds) -> dict[str, np.ndarray]:
+        """Validate ``out`` (see :meth:`run`) against the output types; name -> array."""
+        names = self.output_names
+        if isinstance(out, np.ndarray):
+            if len(names) != 1:
+                raise InputError(f"{self.program.name}: out= got one array, the model has {len(names)} "
+                                 f"outputs {names}: pass a list or a dict")
+            out = {names[0]: out}
+        elif isinstance(out, (list, tuple)):
+            if len(out) != len(names):
+                raise InputError(f"{self.program.name}: out= has {len(out)} entries, the model has "
+                                 f"{len(names)} outputs {names}")
+            out = {n: a for n, a in zip(names, out) if a is not None}
+        elif not isinstance(out, Mapping):
+            raise InputError(f"out= must be an array, a list or a dict, not {type(out).__name__}")
+        types = graph.types if graph is not None else {}
+        for name, a in out.items():
+            if name not in names:
+                raise InputError(f"out= names {name!r}, which is not an output; outputs are {names}")
+            if not isinstance(a, np.ndarray):
+                raise InputError(f"out[{name!r}] must be a numpy array, got {type(a).__name__}")
+            t = types.get(name)
+            if t is not None and (tuple(a.shape) != tuple(t.shape) or a.dtype != t.np_dtype):
+                raise InputError(f"out[{name!r}] has shape {tuple(a.shape)} and dtype {a.dtype}; the output "
+                                 f"is {tuple(t.shape)} {np.dtype(t.np_dtype).name}")
+            if not a.flags.c_contiguous or not a.flags.writeable:
+                raise InputError(f"out[{name!r}] must be C-contiguous and writeable")
+            for k, x in feeds.items():
+                if np.may_share_memory(a, x):
+                    raise InputError(f"out[{name!r}] shares memory with input {k!r}")
+        items = list(out.items())
+        for i, (n1, a1) in enumerate(items):
+            for n2, a2 in items[i + 1:]:
+                if np.may_share_memory(a1, a2):
+                    raise InputError(f"out[{n1!r}] and out[{n2!r}] share memory")
+        return dict(out)
 
 
 def jit(model: Any = None, *, target: str | None = None, options: Options | None = None,

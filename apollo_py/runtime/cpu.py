@@ -140,7 +140,13 @@ class CpuExecutable:
             flush()
         return out
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    supports_out = True
+
+    def run(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Graph outputs for ``feeds``; ``out`` (output name -> array, already validated by the
+        caller) receives them in place: kernels write into it directly, other steps' results
+        are copied in."""
+        out = out or {}
         env: dict[str, np.ndarray] = dict(self.constants)
         env.update(feeds)
         types = self.graph.types
@@ -153,7 +159,9 @@ class CpuExecutable:
                 if kind == "kernels":
                     for s in item:
                         for v in s.outputs:
-                            if v in fresh:
+                            if v in out and v in fresh:
+                                env[v] = out[v]
+                            elif v in fresh:
                                 env[v] = arena.output_buffer(v, *fresh[v])
                     if len(item) == 1:
                         s = item[0]
@@ -182,10 +190,15 @@ class CpuExecutable:
             result = []
             for v, copy in zip(self.graph.outputs, self._copy_out):
                 a = env[v]
-                if copy or v in feeds:
+                if v in out:
+                    if a is not out[v]:
+                        np.copyto(out[v], a)
+                    a = out[v]
+                elif copy or v in feeds:
                     a = a.copy()
                 result.append(a)
-            arena.keep_outputs({v: a for v, a in zip(self.graph.outputs, result) if v in fresh and a is env[v]})
+            arena.keep_outputs({v: a for v, a in zip(self.graph.outputs, result)
+                                if v in fresh and v not in out and a is env[v]})
             return result
         finally:
             self._arenas.release(arena)
