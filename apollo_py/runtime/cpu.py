@@ -70,9 +70,10 @@ class CpuExecutable:
     """Runs ``steps`` over a memory plan; ``plan`` describes what was compiled and why."""
 
     def __init__(self, graph: Graph, steps: Sequence, plan, num_threads: int | None = None,
-                 machine=None):
+                 machine=None, options=None):
         from ..layers.cost import DEFAULT_MACHINE
         self.machine = machine or DEFAULT_MACHINE   # layer 3's cost model (layers/cost.py)
+        self._options = options                     # for layer 3's parallel_rejected events
         self.graph = graph
         self.steps = list(steps)
         self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
@@ -116,7 +117,7 @@ class CpuExecutable:
         group: list = []
 
         def flush():
-            out.extend(("kernels", g) for g in _layer3_groups(group, self.machine))
+            out.extend(("kernels", g) for g in _layer3_groups(group, self.machine, self._options))
 
         for s in self.steps:
             if isinstance(s, KernelStep):
@@ -217,12 +218,25 @@ class _Layer3Kernel:
         self.compute_bound = machine.is_compute_bound(self.bytes, self.flops)
 
 
-def _layer3_groups(run: list, machine) -> list:
-    """Split a run of mutually independent kernel steps into layer 3's parallel groups."""
+def _layer3_groups(run: list, machine, options=None) -> list:
+    """Split a run of mutually independent kernel steps into layer 3's parallel groups.
+
+    With ``options``, every combination layer 3 tries and rejects is logged as a
+    ``parallel_rejected`` feedback event (kernel names, bytes, estimated gain).
+    """
     if len(run) < 2:
         return [run] if run else []
     from ..layers.layer3 import stitch_parallel
-    groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine)
+    on_reject = None
+    if options is not None:
+        from ..feedback.log import log_event
+
+        def on_reject(combo, gain):
+            log_event(options, "parallel_rejected", "+".join(k.name for k in combo),
+                      sizes=[k.bytes for k in combo],
+                      detail={"gain_s": gain, "launch_s": machine.launch,
+                              "reason": "estimated gain below the policy threshold"})
+    groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine, on_reject=on_reject)
     return [[k.step for k in g] for g in groups]
 
 

@@ -1,0 +1,52 @@
+"""Layer 3 in the runtime: the cost model comes from the cache dir's machine figures, and every
+parallel combination it rejects is written to the feedback log."""
+import json
+
+import numpy as np
+
+import apollo_py as ap
+from apollo_py.feedback.log import read_events
+
+
+def _branches(n=4):
+    b = ap.GraphBuilder("branches")
+    outs = []
+    for i in range(n):
+        x = b.input(f"x{i}", (4, 8))
+        outs.append(b.reduce_sum(b.exp(x), axes=(1,), keepdims=True))
+    return b.build(outs)
+
+
+def _run(tmp_path, machine):
+    (tmp_path / "machine.json").write_text(json.dumps(machine))
+    f = ap.jit(_branches(), options=ap.Options(target="cpu", cache_dir=str(tmp_path)))
+    xs = {f"x{i}": np.full((4, 8), 0.1 * i, np.float32) for i in range(4)}
+    for i, y in enumerate(f.run(**xs)):
+        np.testing.assert_allclose(y, np.exp(xs[f"x{i}"]).sum(axis=1, keepdims=True), rtol=1e-6)
+    exe = f.specialization({k: (4, 8) for k in xs})
+    groups = [len(item) for kind, item in exe._schedule if kind == "kernels"]
+    return groups, read_events(str(tmp_path / "feedback.jsonl"), "parallel_rejected") \
+        if (tmp_path / "feedback.jsonl").exists() else []
+
+
+def test_cheap_launches_group_the_branches(tmp_path):
+    groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9})
+    assert groups == [4] and rejected == []
+
+
+def test_slow_memory_leaves_kernels_alone(tmp_path):
+    # at 100 kB/s every kernel is predicted to fill the machine on its own: no grouping
+    groups, _ = _run(tmp_path, {"bandwidth": 1e5, "peak": 50e9, "launch": 1e-6})
+    assert groups == [1, 1, 1, 1]
+
+
+def test_rejected_combinations_are_logged(tmp_path, monkeypatch):
+    from apollo_py.layers import layer3
+    real = layer3.stitch_parallel
+    # a policy demanding a one-second gain: every combination is tried and refused
+    monkeypatch.setattr(layer3, "stitch_parallel", lambda ks, m, on_reject=None: real(
+        ks, m, layer3.ParallelPolicy(min_gain=1.0), on_reject=on_reject))
+    groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9})
+    assert groups == [1, 1, 1, 1]
+    assert rejected and all(e["detail"]["reason"] == "estimated gain below the policy threshold" for e in rejected)
+    assert {len(e["sizes"]) for e in rejected} == {2, 3, 4}
