@@ -13,6 +13,12 @@ lose badly ([1024,1024]@[1024,1] 0.12, [4096,1024]@[1024,16] 0.41): the micro-ti
 12 x 32 and a thin side leaves most of it empty.  So: the generated GEMM when every side of
 C is at least ``MIN_SIDE`` and the product has at least ``MIN_FLOPS`` flops; BLAS otherwise.
 A conv always runs as implicit GEMM (the only alternative is the float64 im2col oracle).
+
+``MIN_FLOPS`` is 2*256^3 rather than 2*128^3 because with two threads numpy's OpenBLAS, on an
+idle machine, reached 230-260 GFLOP/s on 256^3-512^3 while the generated GEMM's pool dispatch
+(two pool runs: pack A, then the tiles) does not pay off below ~0.3 ms; on a loaded machine
+OpenBLAS's threads degrade far more than the pool's dynamically claimed chunks (measured both
+ways; timings on the 2-core box are noisy).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from ..ir.graph import Graph, Node
 from ..options import Options
 
 MIN_SIDE = 32
-MIN_FLOPS = 2 * 128 ** 3
+MIN_FLOPS = 2 * 256 ** 3
 
 _NOT_EPILOGUE = {"iota", "broadcast_to"}
 

@@ -5,8 +5,10 @@ For each micro-graph, in order:
 * fallback ops and opaque reorganising ops (reshape, slice, concat, pad, gather) have no
   loop-nest lowering yet: they run through their numpy references (a reference step); a
   transpose of at least ``TRANSPOSE_KERNEL_MIN`` elements is a generated copy kernel;
-* a matmul/conv micro-graph runs its compute op through numpy's BLAS-backed reference and its
-  fused epilogue (rule 6) as one generated kernel;
+* a matmul/conv micro-graph runs on the generated GEMM (codegen/gemm.py) with the longest
+  fusable prefix of its elementwise epilogue (rule 6) applied per C tile; where the measured
+  rule in gemm_lowering.py picks BLAS (small or thin float32 products, other dtypes), numpy runs
+  the head and the epilogue becomes one layer-1 kernel -- the plan says which and why;
 * elementwise / broadcast / reduction micro-graphs are stitched by layer 2 and fused by layer 1
   into loop-IR kernels.
 

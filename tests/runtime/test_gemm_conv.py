@@ -27,8 +27,8 @@ def _mm_bias_relu(xs, ys, bias_shape, dtype="float32"):
 
 @pytest.mark.parametrize("xs,ys,bias", [
     ((256, 256), (256, 256), (256,)),
-    ((2, 128, 80), (80, 130), (128, 1)),
-    ((4, 1, 64, 48), (3, 48, 64), (3, 64, 64)),
+    ((2, 256, 256), (256, 320), (256, 1)),
+    ((4, 1, 128, 128), (3, 128, 128), (3, 128, 128)),
 ])
 def test_auto_picks_generated_for_big_products(xs, ys, bias):
     f = ap.jit(_mm_bias_relu(xs, ys, bias), target="cpu")
@@ -131,3 +131,20 @@ def test_conv_bn_leakyrelu_residual_matches_onnxruntime():
     want = sess.run(None, wl.inputs)[0]
     got = f.run(**wl.inputs)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_partial_epilogue_then_layer1_softmax():
+    """The elementwise prefix is fused into the GEMM; the softmax reductions go to layer 1."""
+    b = ap.GraphBuilder("mm_softmax")
+    x, w, bias = b.input("x", (256, 96)), b.input("w", (96, 320)), b.input("bias", (320,))
+    y = b.matmul(x, w) + bias
+    e = b.exp(y - b.reduce_max(y, axes=(1,), keepdims=True))
+    f = ap.jit(b.build([e / b.reduce_sum(e, axes=(1,), keepdims=True)]), target="cpu",
+               options=ap.Options(gemm="generated"))
+    kinds = [k.to_dict()["kind"] for k in f.plan.kernels]
+    assert kinds[0] == "gemm" and "kernel" in kinds[1:], str(f.plan)
+    rng = np.random.default_rng(6)
+    xv, wv, bv = _rand(rng, 256, 96), _rand(rng, 96, 320), _rand(rng, 320)
+    yv = xv.astype(np.float64) @ wv + bv
+    ev = np.exp(yv - yv.max(1, keepdims=True))
+    np.testing.assert_allclose(f(xv, wv, bv), ev / ev.sum(1, keepdims=True), rtol=1e-5, atol=1e-6)
