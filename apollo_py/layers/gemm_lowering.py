@@ -5,20 +5,19 @@ micro-graph, and returns either a StepSpec running the generated GEMM with the l
 fusable prefix of those nodes as its per-tile epilogue, or None with the reason BLAS (numpy)
 runs the head instead.  The rest of the nodes go to layer 1 as before.
 
-The dispatch rule for float32 matmul (``Options.gemm == "auto"``) comes from single-thread
-measurements on the 2-core AVX-512 dev box (generated / numpy sgemm throughput, median of
->= 5 interleaved runs):  64^3 0.23, 128^3 0.62, 256^3 0.76, 1024^3 0.89, [2048,768]@[768,768]
-0.86, batched [8,128,64]@[8,64,128] 0.90, [4096,64]@[64,64] 0.80, but matrix-vector shapes
-lose badly ([1024,1024]@[1024,1] 0.12, [4096,1024]@[1024,16] 0.41): the micro-tile is
-12 x 32 and a thin side leaves most of it empty.  So: the generated GEMM when every side of
-C is at least ``MIN_SIDE`` and the product has at least ``MIN_FLOPS`` flops; BLAS otherwise.
+The dispatch rule for float32 matmul (``Options.gemm == "auto"``) comes from measurements on
+the 2-core AVX-512 dev box (generated / numpy sgemm time ratio, median of 7 interleaved
+samples of ~50 ms each).  Single thread: 64^3 0.23, 128^3 0.62, 256^3 0.76, 512^3 ~0.9,
+1024^3 ~1.0, batched [8,128,64]@[8,64,128] 0.90.  Two threads on an idle machine (numpy's
+OpenBLAS reaches 220-290 GFLOP/s there): 256^3 0.32, 512^3 0.48-0.65, [4096,64]@[64,64] 0.39,
+[128,1024]@[1024,1024] 0.42-0.70, [2048,768]@[768,768] 0.45-0.62, 1024^3 0.55-0.93 (0.88 in
+benchmarks/run.py).  Thin shapes lose badly ([1024,1024]@[1024,1] 0.06-0.12,
+[4096,1024]@[1024,16] 0.21-0.41): the micro-tile is 12 x 32 and a thin side leaves most of it
+empty.  So: the generated GEMM when every side of C is at least ``MIN_SIDE`` and the product
+has at least ``MIN_FLOPS`` (2*512^3) flops -- where it measured at or above half of sgemm --
+and BLAS otherwise.  On a loaded machine OpenBLAS's threads degrade far more than the pool's
+dynamically claimed chunks (the generated GEMM then often wins), which the rule ignores.
 A conv always runs as implicit GEMM (the only alternative is the float64 im2col oracle).
-
-``MIN_FLOPS`` is 2*256^3 rather than 2*128^3 because with two threads numpy's OpenBLAS, on an
-idle machine, reached 230-260 GFLOP/s on 256^3-512^3 while the generated GEMM's pool dispatch
-(two pool runs: pack A, then the tiles) does not pay off below ~0.3 ms; on a loaded machine
-OpenBLAS's threads degrade far more than the pool's dynamically claimed chunks (measured both
-ways; timings on the 2-core box are noisy).
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from ..ir.graph import Graph, Node
 from ..options import Options
 
 MIN_SIDE = 32
-MIN_FLOPS = 2 * 256 ** 3
+MIN_FLOPS = 2 * 512 ** 3
 
 _NOT_EPILOGUE = {"iota", "broadcast_to"}
 
@@ -126,8 +125,7 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
         if options.gemm == "generated":
             what += " (Options.gemm='generated')"
         else:
-            what += f" (C sides >= {MIN_SIDE} and >= {MIN_FLOPS} flops: measured 0.6-0.9x of sgemm single-thread, "\
-                    "epilogue fused)"
+            what += f" (C sides >= {MIN_SIDE} and >= {MIN_FLOPS} flops: measured >= 0.5x of sgemm, epilogue fused)"
     fused_ops = "+".join(n.op for n in fused) or "none"
     reason = f"{what}; batch {desc.batch}, {desc.m}x{desc.n}x{desc.k}; epilogue {fused_ops}"
     ins = tuple(dict.fromkeys([*head.inputs, *(o.value for o in operands)]))

@@ -26,9 +26,9 @@ def _mm_bias_relu(xs, ys, bias_shape, dtype="float32"):
 
 
 @pytest.mark.parametrize("xs,ys,bias", [
-    ((256, 256), (256, 256), (256,)),
-    ((2, 256, 256), (256, 320), (256, 1)),
-    ((4, 1, 128, 128), (3, 128, 128), (3, 128, 128)),
+    ((512, 512), (512, 512), (512,)),
+    ((2, 512, 256), (256, 1024), (512, 1)),
+    ((4, 1, 256, 256), (3, 256, 256), (3, 256, 256)),
 ])
 def test_auto_picks_generated_for_big_products(xs, ys, bias):
     f = ap.jit(_mm_bias_relu(xs, ys, bias), target="cpu")
@@ -82,7 +82,7 @@ def test_forced_generated_odd_shapes(xs, ys):
 
 
 def test_forced_blas():
-    f = ap.jit(_mm_bias_relu((256, 256), (256, 256), (256,)), target="cpu", options=ap.Options(gemm="blas"))
+    f = ap.jit(_mm_bias_relu((512, 512), (512, 512), (512,)), target="cpu", options=ap.Options(gemm="blas"))
     assert "Options.gemm='blas'" in str(f.plan)
 
 
