@@ -567,12 +567,16 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
         return L.Block((*pre, out, *post)) if pre else out
 
     def rewrite_scalar(f: L.For):
-        if f.hi.value - f.lo.value < 2 * lanes:
+        extent = f.hi.value - f.lo.value
+        if extent < 2 * lanes:
             return f
         body = list(f.body.stmts) if isinstance(f.body, L.Block) else [f.body]
         reds = _fold_targets(body, f.var.name, locals_)
         if not reds:
             return f
+        return rewrite_lanes(f, body, reds, _order_free_lanes(reds, lanes, extent))
+
+    def rewrite_lanes(f: L.For, body: list, reds: dict, lanes: int):
         counter[0] += 1
         tag = f"{f.var.name}_{counter[0]}"
         bufs = {}
@@ -608,7 +612,8 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
                                "unroll"))
         stmts.append(L.For(blk, L.Const(0), L.Const(nfull), L.Block((
             L.For(lane, L.Const(0), L.Const(lanes),
-                  lane_body(_simplify_add(L.Const(lo, "int64"), blk * lanes + lane), lane), "vector"),)), "serial"))
+                  lane_body(_simplify_add(L.Const(lo, "int64"), blk * lanes + lane), lane),
+                  "vector" if lanes <= 16 else "unroll"),)), "serial"))
         if base < hi:
             stmts.append(L.For(tail, L.Const(base), L.Const(hi),
                                lane_body(tail, tail - base), "serial"))
@@ -617,6 +622,20 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
         return L.Block(tuple(stmts))
 
     return visit(stmt), allocs
+
+
+def _order_free_lanes(reds: dict, lanes: int, extent: int, widen: int = 4) -> int:
+    """Lane count for the folds ``reds`` of a loop of ``extent`` iterations: up to ``widen``
+    times ``lanes`` when every fold is a max or min (whose value does not depend on the
+    order, so more independent accumulators only shorten the dependence chain: one NaN-aware
+    vector max per 16 elements is latency-bound), else ``lanes`` (sums keep their documented
+    order)."""
+    if not all(op in ("max", "min") for op, _ in reds.values()):
+        return lanes
+    n = lanes
+    while n < lanes * widen and 4 * n <= extent:
+        n *= 2
+    return n
 
 
 def _fold_lanes(name: str, op: str, dt: str, a: L.Alloc, lane: L.Var, width: int, kind: str) -> list:
