@@ -26,9 +26,9 @@ def _mm_bias_relu(xs, ys, bias_shape, dtype="float32"):
 
 
 @pytest.mark.parametrize("xs,ys,bias", [
-    ((512, 512), (512, 512), (512,)),
-    ((2, 512, 256), (256, 1024), (512, 1)),
-    ((4, 1, 256, 256), (3, 256, 256), (3, 256, 256)),
+    ((1024, 1024), (1024, 1024), (1024,)),
+    ((2, 1024, 512), (512, 1024), (1024, 1)),
+    ((4, 1, 512, 512), (2, 512, 512), (2, 512, 512)),
 ])
 def test_auto_picks_generated_for_big_products(xs, ys, bias):
     f = ap.jit(_mm_bias_relu(xs, ys, bias), target="cpu")
