@@ -21,8 +21,9 @@ class Options:
     ``cache_dir``: piecewise cache and default feedback log location.
     ``feedback_path``: JSON-lines feedback log (None = ``<cache_dir>/feedback.jsonl``).
     ``progress``: progress lines on stderr for compiles over 2 s (None = only on a terminal).
-    ``gemm``: float32 matmul kernels: "auto" (generated GEMM or BLAS by the measured size rule
-    in layers/gemm_lowering.py), "generated" (always the generated GEMM) or "blas" (numpy).
+    ``gemm``: float32 matmul kernels: "auto" (BLAS, measured faster at every shape: see
+    layers/gemm_lowering.py), "generated" (the generated GEMM, epilogue fused) or "blas".
+    2-d float32 convs always run as the generated implicit GEMM.
     """
 
     target: str = "cpu"

@@ -6,30 +6,23 @@ fusable prefix of those nodes as its per-tile epilogue, or None with the reason 
 runs the head instead.  The rest of the nodes go to layer 1 as before.
 
 The dispatch rule for float32 matmul (``Options.gemm == "auto"``) comes from measurements on
-the 2-core AVX-512 dev box (generated / numpy sgemm time ratio, median of 7 interleaved
-samples of ~50 ms each).  Single thread: 64^3 0.23, 128^3 0.62, 256^3 0.76, 512^3 ~0.9,
-1024^3 ~1.0, batched [8,128,64]@[8,64,128] 0.90.  Two threads on an idle machine (numpy's
-OpenBLAS reaches 220-290 GFLOP/s there): 256^3 0.32, 512^3 0.48-0.65, [4096,64]@[64,64] 0.39,
-[128,1024]@[1024,1024] 0.42-0.70, [2048,768]@[768,768] 0.45-0.62, 1024^3 0.55-0.93 (0.88 in
-benchmarks/run.py).  Thin shapes lose badly ([1024,1024]@[1024,1] 0.06-0.12,
-[4096,1024]@[1024,16] 0.21-0.41): the micro-tile is 12 x 32 and a thin side leaves most of it
-empty.  So: the generated GEMM when every side of C is at least ``MIN_SIDE`` and the product
-has at least ``MIN_FLOPS`` (2*1024^3) flops -- where it measured at 0.85-0.93 of sgemm, so the
-fused epilogue (one memory pass saved) makes up the difference -- and BLAS plus a separate
-epilogue kernel otherwise.  (Between 2*512^3 and 2*1024^3 it measured 0.45-0.7 of sgemm: the
-MLP training step of issue #6 ran 10.1 ms with it against 5.7 ms with BLAS.)  On a loaded machine OpenBLAS's threads degrade far more than the pool's
-dynamically claimed chunks (the generated GEMM then often wins), which the rule ignores.
+the 2-core AVX-512 dev box (generated / numpy sgemm time ratio, median of 7-9 interleaved
+samples).  Single thread: 64^3 0.23, 128^3 0.62, 256^3 0.76, 512^3 ~0.9, 1024^3 ~1.0, batched
+[8,128,64]@[8,64,128] 0.90.  Two threads on an idle machine (OpenBLAS at 220-300 GFLOP/s):
+256^3 0.32, 512^3 0.48-0.65, [2048,768]@[768,768] 0.45-0.62, 1024^3 0.85-0.93, and the BERT
+feed-forward products [1024,768]@[768,3072] and [1024,3072]@[3072,768] about 0.35 (40-48 ms
+against 15-17 ms).  Thin shapes lose badly ([1024,1024]@[1024,1] 0.06-0.12): the micro-tile is
+12 x 32.  BLAS was faster at every shape measured with the default two threads, so "auto"
+runs every matmul through BLAS, with its epilogue as a separate layer-1 kernel, and says so in
+the plan; ``Options(gemm="generated")`` forces the generated GEMM (epilogue fused per tile),
+``benchmarks/bench_gemm.py`` measures both.
 A conv always runs as implicit GEMM (the only alternative is the float64 im2col oracle).
 """
 from __future__ import annotations
 
-from math import prod
 
 from ..ir.graph import Graph, Node
 from ..options import Options
-
-MIN_SIDE = 32
-MIN_FLOPS = 2 * 1024 ** 3
 
 _NOT_EPILOGUE = {"iota", "broadcast_to"}
 
@@ -69,16 +62,8 @@ def _reason_blas(head: Node, types, options: Options) -> str:
         return "Options.gemm='blas'"
     if options.gemm == "generated":
         return ""
-    xs, ys = (types[v].shape for v in head.inputs)
-    n = 1 if len(ys) == 1 else ys[-1]
-    k = xs[-1]
-    rows = prod(out.shape) // max(1, n)
-    if min(rows, n) < MIN_SIDE:
-        return (f"C is {rows}x{n}: a side under {MIN_SIDE} leaves the 12x32 micro-tile mostly empty "
-                "(measured 0.1-0.4x of sgemm)")
-    if 2 * rows * n * k < MIN_FLOPS:
-        return f"{2 * rows * n * k} flops < {MIN_FLOPS}: BLAS is faster on small products (measured)"
-    return ""
+    return ("BLAS measured faster than the generated GEMM on every matmul shape at two threads "
+            "(1024^3: generated 0.85-0.93x of sgemm; BERT FFN 0.35x); Options(gemm='generated') forces it")
 
 
 def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Options, group: tuple):
@@ -123,11 +108,7 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
         what = "implicit-GEMM conv (generated)"
     else:
         desc = matmul_desc(name, types[x].shape, types[w].shape, shape, head.outputs[0], **epi)
-        what = "generated GEMM"
-        if options.gemm == "generated":
-            what += " (Options.gemm='generated')"
-        else:
-            what += f" (C sides >= {MIN_SIDE} and >= {MIN_FLOPS} flops: measured >= 0.85x of sgemm, epilogue fused)"
+        what = "generated GEMM (Options.gemm='generated')"
     fused_ops = "+".join(n.op for n in fused) or "none"
     reason = f"{what}; batch {desc.batch}, {desc.m}x{desc.n}x{desc.k}; epilogue {fused_ops}"
     ins = tuple(dict.fromkeys([*head.inputs, *(o.value for o in operands)]))

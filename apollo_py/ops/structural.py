@@ -154,7 +154,16 @@ def _matmul_infer(ins, a):
     return [TensorType(shape, x.dtype)]
 
 
-register(OpDef("matmul", COMPUTE_BOUND, _matmul_infer, lambda xs, a: [np.matmul(xs[0], xs[1])],
+def _matmul(xs, a):
+    x, y = xs
+    if x.ndim > 2 and y.ndim == 2 and x.flags.c_contiguous:
+        # numpy's matmul calls sgemm once per leading index ([8,128,768]@[768,768]: 8 calls of
+        # 128 rows, 28% slower); the rows of a contiguous x are one matrix, so one call
+        return [np.matmul(x.reshape(-1, x.shape[-1]), y).reshape(*x.shape[:-1], y.shape[-1])]
+    return [np.matmul(x, y)]
+
+
+register(OpDef("matmul", COMPUTE_BOUND, _matmul_infer, _matmul,
                arity=(2, 2), doc="numpy matmul semantics (batched, broadcasting, 1-D promotion)"))
 
 
