@@ -556,7 +556,7 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None) -> Co
     """Generate, optimise (O3) and JIT the kernels of ``d``; ``threads`` shapes the tile
     decomposition.  Raises CompileError when LLVM
     rejects the generated text (a bug) or an epilogue op has no scalar lowering."""
-    from apollo_py.codegen.llvm import _compile_lock, _quiet_remarks, host
+    from .llvm import _compile_lock, host, run_o3
     if d.m <= 0 or d.n <= 0 or d.k <= 0 or d.batch <= 0:
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
@@ -574,12 +574,7 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None) -> Co
         except RuntimeError as exc:
             raise CompileError(f"{d.name}: invalid generated LLVM IR: {exc}") from exc
         mod.triple = h.triple
-        pto = llvm.create_pipeline_tuning_options(speed_level=3)
-        pto.loop_vectorization = True
-        pto.slp_vectorization = True
-        pb = llvm.create_pass_builder(h.opt_tm, pto)
-        with _quiet_remarks():
-            pb.getModulePassManager().run(mod, pb)
+        run_o3(mod)
         ir = str(mod)
         engine = llvm.create_mcjit_compiler(mod, h.target_machine())
         engine.finalize_object()

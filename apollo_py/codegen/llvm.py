@@ -539,13 +539,20 @@ def optimize_ir(text: str):
         mod.verify()
     except RuntimeError as exc:
         raise CompileError(f"invalid LLVM IR: {exc}") from exc
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+    run_o3(mod)
+    return mod
+
+
+def run_o3(mod) -> None:
+    """Run LLVM's O3 pipeline with loop and SLP vectorisation on module ``mod`` in place
+    (caller holds ``_compile_lock``); remarks are dropped (:func:`_quiet_remarks`)."""
+    h = host()
+    pto = h.llvm.create_pipeline_tuning_options(speed_level=3)
     pto.loop_vectorization = True
     pto.slp_vectorization = True
-    pb = llvm.create_pass_builder(h.opt_tm, pto)
+    pb = h.llvm.create_pass_builder(h.opt_tm, pto)
     with _quiet_remarks():
         pb.getModulePassManager().run(mod, pb)
-    return mod
 
 
 @contextmanager
