@@ -63,7 +63,7 @@ def _cmd_feedback(args, opts):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
-    p.add_argument("--target", default=None, help="reference | cpu | c | cuda")
+    p.add_argument("--target", default=None, help="cpu (default) | reference")
     p.add_argument("--cache-dir", default=None)
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("explain", help="print the fusion plan of a model")
