@@ -199,7 +199,7 @@ class CpuExecutable:
                     a = a.copy()
                 result.append(a)
             arena.keep_outputs({v: a for v, a in zip(self.graph.outputs, result)
-                                if v in fresh and v not in out and a is env[v]})
+                                if v in fresh and v not in out and a is env[v]}, merge=bool(out))
             return result
         finally:
             self._arenas.release(arena)

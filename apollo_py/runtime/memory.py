@@ -107,9 +107,15 @@ class Arena:
             return a
         return np.empty(shape, dtype)
 
-    def keep_outputs(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Remember the fresh output arrays handed to the caller, for :meth:`output_buffer`."""
-        self._kept = dict(arrays)
+    def keep_outputs(self, arrays: Mapping[str, np.ndarray], merge: bool = False) -> None:
+        """Remember the fresh output arrays handed to the caller, for :meth:`output_buffer`.
+
+        ``merge`` keeps what was remembered for the other outputs (a call whose ``out=`` gave
+        some outputs did not use, and must not forget, the arrays kept for them)."""
+        if merge:
+            self._kept.update(arrays)
+        else:
+            self._kept = dict(arrays)
 
 
 class ArenaPool:

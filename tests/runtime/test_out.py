@@ -1,4 +1,6 @@
 """out=: caller-provided output arrays are written in place, on every target; bad ones refused."""
+import weakref
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,19 @@ def test_out_sharing_memory_is_refused():
         f.run(**feeds, out=[block[:64 * 96].reshape(64, 96), None, block[:96 * 64].reshape(96, 64)])
     with pytest.raises(InputError, match="input 'x'"):
         f.run(**feeds, out=[feeds["x"], None, None])
+
+
+def test_out_call_keeps_the_recycled_output_of_fresh_calls():
+    """A call with out= must not make the next fresh call allocate (and page-fault) anew."""
+    b = ap.GraphBuilder("one")
+    x = b.input("x", (64, 256))
+    f = ap.jit(b.build([b.exp(x)]), target="cpu")
+    x0 = np.zeros((64, 256), np.float32)
+    first = f(x0)
+    ref = weakref.ref(first)
+    del first                       # dropped: the arena may hand it out again
+    buf = np.empty((64, 256), np.float32)
+    f(x0, out=buf)
+    again = f(x0)
+    assert ref() is not None and again is ref()
+    np.testing.assert_array_equal(again, np.ones((64, 256), np.float32))
