@@ -125,7 +125,9 @@ def _sizes(types, values) -> dict:
     return {v: list(types[v].shape) for v in values}
 
 
-def _log(options, event, sig, types, values, ms, detail):
+def log_refusal(options, event, sig, types, values, ms, detail):
+    """Write feedback event ``event`` for pattern ``sig`` (sizes of ``values``); a log that
+    cannot be written is ignored, since the log is advisory and must never fail a compile."""
     from ..feedback.log import log_event
     try:
         log_event(options, event, sig, sizes=_sizes(types, values), time_ms=ms, detail=detail)
@@ -197,7 +199,7 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
                           param_order=params)
     except BudgetExceeded as e:
         ms = (time.perf_counter() - t0) * 1e3
-        _log(options, "schedule_budget_exceeded", sig, types, list(inputs) + list(outputs), ms,
+        log_refusal(options, "schedule_budget_exceeded", sig, types, list(inputs) + list(outputs), ms,
              {"budget": budget_ops, "nodes": len(nodes), "ops": [n.op for n in nodes],
               "error": str(e)[:200]})
         if len(nodes) == 1:
@@ -205,7 +207,7 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
         reason = "budget"
     except (NotOneGroup, StorageError) as e:
         ms = (time.perf_counter() - t0) * 1e3
-        _log(options, "multiple_fusion_groups", sig, types, list(inputs) + list(outputs), ms,
+        log_refusal(options, "multiple_fusion_groups", sig, types, list(inputs) + list(outputs), ms,
              {"nodes": len(nodes), "ops": [n.op for n in nodes], "reason": str(e)[:300]})
         if len(nodes) == 1:
             raise CompileError(f"node {nodes[0].label!r} ({nodes[0].op}): layer 1 could not "

@@ -245,8 +245,8 @@ def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
         fused, err = None, str(e)
     if fused is not None and len(members) > 1 and len(fused) > 1:
         # the stitch did not give one kernel: log it, then stitch the longest prefix that does
-        from .layer1 import _log, signature_of
-        _log(options, "stitch_rejected", signature_of(list(nodes), types), types, list(ins) + list(outs), 0.0,
+        from .layer1 import log_refusal, signature_of
+        log_refusal(options, "stitch_rejected", signature_of(list(nodes), types), types, list(ins) + list(outs), 0.0,
              f"layer 1 gave {len(fused)} kernels for {len(members)} stitched micro-graphs")
         cut = len(members) - 1
         head, tail = members[:cut], members[cut:]
