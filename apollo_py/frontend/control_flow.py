@@ -201,6 +201,12 @@ def op_instance(node_hex: str, domain: str, opset: int, options: tuple = ()):
             raise UnsupportedOpError("Loop", node.name, "the Loop has no body attribute")
         return LoopOp(node, evaluator(body)), node
 
+    if node.op_type == "Scan" and domain in ("", "ai.onnx") and opset < 9:
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        if body is None:
+            raise UnsupportedOpError("Scan", node.name, "the Scan has no body attribute")
+        return Scan8Op(node, evaluator(body)), node
+
     run_params = {"log": lambda *a: None, "opsets": {domain: opset, "": opset}, "verbose": 0,
                   "new_ops": None, "existing_functions": {}, "evaluator_cls": evaluator}
     return cls(node, run_params), node
@@ -286,6 +292,65 @@ class LoopOp:
                                      f"does not declare the shape of scan output {vi.name!r}")
         dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
         return np.zeros((0,) + tuple(d.dim_value for d in tt.shape.dim), dtype)
+
+
+class Scan8Op:
+    """ONNX Scan of opsets 8 (batched: every input has a leading batch axis, scan inputs scan
+    their axis 1, an optional ``sequence_lens`` gives each batch entry's length), its body run
+    by a :class:`SubgraphRunner`.  onnx.reference implements only the opset-9 form.  Scan
+    outputs past a batch entry's length are zero, as in onnxruntime."""
+
+    def __init__(self, node, body: SubgraphRunner):
+        self.onnx_node, self.body = node, body
+        self.attributes_names_ = ("body",)
+        attrs = {a.name: a for a in node.attribute}
+        self.num_scan_inputs = int(attrs["num_scan_inputs"].i)
+        self.directions = list(attrs["directions"].ints) if "directions" in attrs else []
+
+    def need_context(self) -> bool:
+        return True
+
+    def run(self, sequence_lens, *inputs, context=None):
+        body, node = self.body, self.onnx_node
+        n_scan = self.num_scan_inputs
+        states, xs = [np.asarray(a) for a in inputs[:len(inputs) - n_scan]], \
+            [np.asarray(a) for a in inputs[len(inputs) - n_scan:]]
+        if not xs:
+            raise UnsupportedOpError("Scan", node.name, "a Scan needs at least one scan input")
+        batch, max_len = xs[0].shape[0], xs[0].shape[1]
+        lens = [max_len] * batch if sequence_lens is None else [int(v) for v in np.asarray(sequence_lens).reshape(-1)]
+        if len(lens) != batch or any(not 0 <= n <= max_len for n in lens):
+            raise UnsupportedOpError("Scan", node.name, f"sequence_lens {lens} do not fit batch {batch} "
+                                     f"and length {max_len}")
+        directions = self.directions or [0] * n_scan
+        names, n_state = body.input_names, len(states)
+        feeds = dict(context or {})
+        finals, scans = [], []
+        for b in range(batch):
+            state = [s[b] for s in states]
+            outs_b = []
+            for t in range(lens[b]):
+                feeds.update(zip(names[:n_state], state))
+                for k, x in enumerate(xs):
+                    feeds[names[n_state + k]] = x[b, lens[b] - 1 - t if directions[k] else t]
+                outs = body.run(None, feeds)
+                state = [np.asarray(o) for o in outs[:n_state]]
+                outs_b.append([np.asarray(o) for o in outs[n_state:]])
+            finals.append(state)
+            scans.append(outs_b)
+        n_out = len(body.output_names) - n_state
+        final = [np.stack([finals[b][k] for b in range(batch)]) for k in range(n_state)]
+        stacked = []
+        for k in range(n_out):
+            proto = next((scans[b][0][k] for b in range(batch) if scans[b]), None)
+            if proto is None:
+                raise UnsupportedOpError("Scan", node.name, "every sequence is empty: scan output shapes unknown")
+            out = np.zeros((batch, max_len) + proto.shape, proto.dtype)
+            for b in range(batch):
+                for t, o in enumerate(scans[b]):
+                    out[b, t] = o[k]
+            stacked.append(out)
+        return tuple(final + stacked)
 
 
 def body_plans(op) -> list[tuple[str, Any]]:

@@ -231,3 +231,34 @@ def test_scan_body_folds_captured_outer_constants(target):
                       "xs": rng.standard_normal((5, 6)).astype(np.float32)})
     assert f.plan.coverage.fallback == (("scan", "Scan", "no apollo_py lowering for Scan"),)
     assert f.plan.coverage.compiled >= 3  # the body's reshape, sum and add
+
+
+def _scan8_model(with_lens: bool):
+    """Opset-8 Scan: batch axis 0, scan axis 1, a reversed second scan input, optional lengths."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "a"], ["t"], name="body_add"),
+         helper.make_node("Mul", ["t", "b"], ["s_out"], name="body_mul"),
+         helper.make_node("Sub", ["s_out", "a"], ["out"], name="body_sub")],
+        "body8", [_vi("s_in", shape=[3]), _vi("a", shape=[3]), _vi("b", shape=[3])],
+        [_vi("s_out", shape=[3]), _vi("out", shape=[3])])
+    inputs = [_vi("s0", shape=[2, 3]), _vi("xa", shape=[2, 5, 3]), _vi("xb", shape=[2, 5, 3])]
+    first = "lens" if with_lens else ""
+    if with_lens:
+        inputs.insert(0, _vi("lens", T.INT64, [2]))
+    node = helper.make_node("Scan", [first, "s0", "xa", "xb"], ["s", "ys"], name="scan8", body=body,
+                            num_scan_inputs=2, directions=[0, 1])
+    g = helper.make_graph([node], "g8", inputs, [_vi("s"), _vi("ys")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("with_lens", [False, True])
+def test_opset8_scan_batched_with_directions_and_lengths(target, with_lens):
+    model = _scan8_model(with_lens)
+    rng = np.random.default_rng(4)
+    feeds = {"s0": rng.standard_normal((2, 3)).astype(np.float32),
+             "xa": rng.standard_normal((2, 5, 3)).astype(np.float32),
+             "xb": (rng.standard_normal((2, 5, 3)) * 0.5).astype(np.float32)}
+    if with_lens:
+        feeds["lens"] = np.array([5, 3], np.int64)
+    _check(apollo_py.jit(model, target=target), model, feeds)

@@ -114,8 +114,6 @@ EXCLUDE = {
     r"^test_bernoulli": "Bernoulli draws random numbers: outputs cannot match the recorded ones",
     r"^test_mod_float_edge_cases_": "float Mod is x - trunc(x/y)*y: inf divisors and signed zeros differ",
     r"^test_PReLU_\dd_multiparam_": "opset-6 PRelu (1-D per-channel slope); supported opsets are 9-22",
-    # bugs: listed, not hidden
-    r"^test_scan_sum_": "Scan whose body reads a state input: the control-flow lowering raises InputError (bug)",
 }
 
 
