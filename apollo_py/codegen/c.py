@@ -91,6 +91,7 @@ class CPrinter(Printer):
         **{(op, d): "({a})" for op in ("abs", "relu") for d in L.UINT_DTYPES},
         ("floor", "float"): _m("floor"),
         ("ceil", "float"): _m("ceil"),
+        ("round_f16", "float32"): "((float)(_Float16)({a}))",
         ("not", "bool"): "(!{a})",
         ("not", "int"): "(~{a})",
     }

@@ -36,7 +36,7 @@ _UN = {
     "rsqrt": lambda a: type(a)(1) / np.sqrt(a), "reciprocal": lambda a: type(a)(1) / a,
     "tanh": np.tanh, "erf": _erf, "sigmoid": lambda a: type(a)(1) / (type(a)(1) + np.exp(-a)),
     "relu": lambda a: np.maximum(a, type(a)(0)), "not": np.invert, "floor": np.floor,
-    "ceil": np.ceil,
+    "ceil": np.ceil, "round_f16": lambda a: np.float32(np.float16(a)),
 }
 
 

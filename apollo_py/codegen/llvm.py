@@ -307,6 +307,7 @@ class LLVMPrinter(Printer):
         self.metadata: list = []
         self.scope: dict = {}
         self.meta_id = 10  # !0..!9 reserved
+        self.f16_exact = False
         self.params: tuple = ()
         self.prefetching = False  # inside a loop that already prefetches its rows
 
@@ -319,6 +320,8 @@ class LLVMPrinter(Printer):
 
     def emit(self, instr: str) -> str:
         """Append ``%r = instr`` to the current block and return ``%r``."""
+        if self.f16_exact:
+            instr = instr.replace(f" {FM} ", " nsz ").replace(f" {FM_EXACT} ", " nsz ")
         reg = "%" + self.fresh("r")
         self.lines.append(f"  {reg} = {instr}")
         return reg
@@ -544,6 +547,11 @@ class LLVMPrinter(Printer):
         ``cpu_attrs`` is extra function-attribute text (e.g. target-cpu) for the impl.
         """
         self.check_kernel(k)
+        # A kernel touching float16 buffers gets no arcp/contract: InstCombine shrinks
+        # fptrunc(op(fpext a, fpext b)) to a half op, and with them a half fdiv became a
+        # multiply by a half-rounded reciprocal and a half mul+add one fma -- one float16 ulp
+        # off numpy, which rounds each float16 op once (measured on the fp16 attention cases).
+        self.f16_exact = "float16[" in L.format_node(k)
         self.parallel_loop = self.find_parallel_loop(k)
         self.params = tuple(k.params)
         for p in k.params:

@@ -8,7 +8,9 @@ dtypes are strings: ``float32``, ``float64``, ``float16``, the signed integers `
 the unsigned ``uint8/16/32/64`` (renderers pick unsigned compares, divisions and casts for these),
 and ``bool``.
 ``float16`` is a storage type only: loading a float16 buffer yields a float32 value and
-storing converts back, so expressions never have dtype float16.
+storing converts back, so expressions never have dtype float16.  ``Un("round_f16", x)`` rounds
+a float32 value to the nearest float16 and back (what numpy does after every float16 op);
+kernels apply it to float16 intermediates that live in registers (see poly/ast_to_loopir.py).
 
 Expressions support Python operators (``i * 4 + j``, ``-x``, ``a / b``, ``a // b``, ``a % b``)
 with plain ints/floats coerced to :class:`Const` of the other operand's dtype; comparisons
@@ -33,9 +35,9 @@ BINARY_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "max", "min", "pow"
               "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "erf",
-             "sigmoid", "relu", "not", "floor", "ceil")
+             "sigmoid", "relu", "not", "floor", "ceil", "round_f16")
 FLOAT_ONLY_UNARY = ("exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "erf", "sigmoid",
-                    "floor", "ceil")
+                    "floor", "ceil", "round_f16")
 FOR_KINDS = ("serial", "parallel", "vector", "unroll", "gpu_block", "gpu_thread")
 ALLOC_SCOPES = ("local", "shared")
 

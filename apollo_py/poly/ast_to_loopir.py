@@ -226,11 +226,17 @@ class Emitter:
                 parts.append(x % ext)   # indices are non-negative here
         return self._flat(parts, st.extents)
 
-    def load(self, v: str, idx: list) -> L.Expr:
+    def load(self, v: str, idx: list, accumulate: bool = False) -> L.Expr:
+        """The value of ``v`` at ``idx``.  A float16 value kept in a register (a SCALAR local
+        computes in float32) is rounded to float16 where it is read, as numpy rounds every
+        float16 result; ``accumulate`` (a reduction reading its own accumulator) keeps the
+        float32 sum, as numpy's float16 add.reduce does (pairwise, in float32)."""
         if v in self.consts:
             return L.Const(self.consts[v], L.compute_dtype(self.prog.types[v].dtype))
         kind = self.storage[v].kind
         if kind == SCALAR:
+            if self.prog.types[v].dtype == "float16" and not accumulate:
+                return L.Un("round_f16", self.locals_[v].var)
             return self.locals_[v].var
         if kind == TILE:
             return L.Load(self.tiles[v], self._tile_index(v, idx))
@@ -254,8 +260,12 @@ class Emitter:
             return self.store(out, out_idx, L.as_expr(identity_value(s.reducer, odt), odt))
         args = [self.load(v, self._index(s, r, dom)) for v, r in zip(n.inputs, s.reads)]
         if s.role == UPDATE:
-            acc = self.load(out, out_idx)
-            return self.store(out, out_idx, L.Bin(_REDUCE_OP[s.reducer], acc, args[0]))
+            acc = self.load(out, out_idx, accumulate=True)
+            value = L.Bin(_REDUCE_OP[s.reducer], acc, args[0])
+            if self.prog.types[out].dtype == "float16" and s.reducer in ("sum", "prod") and \
+                    not _contiguous_reduction(self.prog.types[n.inputs[0]].shape, n.attrs["axes"]):
+                value = L.Un("round_f16", value)
+            return self.store(out, out_idx, value)
         return self.store(out, out_idx, scalar_op(n, args, dom, odt))
 
     # ----------------------------------------------------------------- AST walk
@@ -296,6 +306,17 @@ class Emitter:
             dom = [self.expr(e.get_op_arg(k)) for k in range(1, e.get_op_n_arg())]
             return self.body(self.stmts[name], dom)
         raise CompileError(f"isl AST node type {t} is not supported")
+
+
+def _contiguous_reduction(shape, axes) -> bool:
+    """Whether numpy folds a reduction over ``axes`` of a C-contiguous ``shape`` in one inner
+    loop: the reduced axes (size-1 axes aside) are the trailing ones.  numpy's float16 sum and
+    prod accumulate such a loop in float32 and round once (a kernel keeps a float32
+    accumulator, :func:`_promote_store_reductions`); over any other axes it adds float16
+    arrays elementwise, rounding every step (a kernel rounds each update)."""
+    big = [k for k, d in enumerate(shape) if d != 1]
+    red = [k for k in big if k in set(axes)]
+    return red == big[len(big) - len(red):]
 
 
 def scalar_op(n, args, dom, odt) -> L.Expr:
@@ -715,9 +736,11 @@ def _loads_of(node, buf) -> int:
 
 def _promote_store_reductions(f: L.For, decls: list, counter: list, outer_vars=()):
     """Turn ``buf[i] = buf[i] op e`` in the innermost loop ``f`` (``i`` independent of the loop
-    variable, ``buf`` not otherwise read or written in the loop, ``buf`` stored in its compute
-    dtype) into a scalar accumulator: ``acc = buf[i]`` before the loop, ``acc = acc op e`` in
-    it and ``buf[i] = acc`` after it.  The fold order is unchanged (the accumulator starts
+    variable, ``buf`` not otherwise read or written in the loop) into a scalar accumulator of
+    the compute dtype: ``acc = buf[i]`` before the loop, ``acc = acc op e`` in it and
+    ``buf[i] = acc`` after it.  A float16 ``buf`` so accumulates in float32 and rounds once, as
+    numpy's contiguous float16 sum does (a fold numpy rounds at every step carries a
+    ``round_f16`` and does not match).  The fold order is unchanged (the accumulator starts
     from the stored initial value and folds the iterations in order); the lane rewrite then
     applies as for any scalar fold.  Returns ``(before, loop, after)``; new Locals go to
     ``decls``."""
@@ -732,7 +755,7 @@ def _promote_store_reductions(f: L.For, decls: list, counter: list, outer_vars=(
         if not (isinstance(v, L.Bin) and v.op in _LANE_OPS and isinstance(v.a, L.Load)
                 and v.a.buf == x.buf and v.a.index == x.index):
             continue
-        if ({f.var.name, *outer_vars} & _vars(x.index)) or x.buf.dtype != L.compute_dtype(x.buf.dtype):
+        if {f.var.name, *outer_vars} & _vars(x.index):
             continue
         if any(isinstance(y, L.Store) and y.buf == x.buf for j, y in enumerate(body) if j != k):
             continue
@@ -741,7 +764,8 @@ def _promote_store_reductions(f: L.For, decls: list, counter: list, outer_vars=(
         if any(isinstance(y, L.Assign) and y.name in _vars(x.index) for y in body):
             continue
         counter[0] += 1
-        acc = L.Local(f"acc_{x.buf.name}_{counter[0]}", x.buf.dtype, L.as_expr(0, x.buf.dtype))
+        dt = L.compute_dtype(x.buf.dtype)
+        acc = L.Local(f"acc_{x.buf.name}_{counter[0]}", dt, L.as_expr(0, dt))
         decls.append(acc)
         pre.append(L.Assign(acc.name, v.a))
         new_body[k] = L.Assign(acc.name, L.Bin(v.op, acc.var, v.b))
