@@ -83,6 +83,16 @@ def plan_memory(steps: Sequence[tuple[Sequence[str], Sequence[str]]], nbytes: Ma
     return MemoryPlan({s.value: s for s in placed}, arena, naive)
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array starting on an ALIGN-byte boundary (a view of its
+    own uint8 block; np.empty gives 16-byte alignment, and a 64-byte vector store to an
+    unaligned row splits across two cache lines: softmax [768,128,128] out 4.3 -> 3.9 ms)."""
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    block = np.empty(n + ALIGN, np.uint8)
+    off = (-block.ctypes.data) % ALIGN
+    return block[off:off + n].view(dtype).reshape(shape)
+
+
 class Arena:
     """One pre-faulted block holding every intermediate of a plan; views are made once."""
 
@@ -99,13 +109,15 @@ class Arena:
     def output_buffer(self, value: str, shape, dtype) -> np.ndarray:
         """A C-contiguous array for graph output ``value``: the array this arena handed out
         for it last time if nothing else references it any more (already faulted in, so a
-        large output costs no page faults), else a new ``np.empty``."""
+        large output costs no page faults), else a new :func:`aligned_empty` array."""
         a = self._kept.pop(value, None)
-        # references: this frame's ``a`` and getrefcount's argument -- nobody else holds it
-        if a is not None and sys.getrefcount(a) == 2 and a.base is None and a.shape == tuple(shape) \
-                and a.dtype == dtype and a.flags.writeable:
+        # references: this frame's ``a`` and getrefcount's argument -- nobody else holds it;
+        # the caller's views of ``a`` reference its owner block instead, which then has more
+        if a is not None and sys.getrefcount(a) == 2 and a.shape == tuple(shape) \
+                and a.dtype == dtype and a.flags.writeable and isinstance(a.base, np.ndarray) \
+                and a.base.base is None and sys.getrefcount(a.base) == 2:
             return a
-        return np.empty(shape, dtype)
+        return aligned_empty(shape, dtype)
 
     def keep_outputs(self, arrays: Mapping[str, np.ndarray], merge: bool = False) -> None:
         """Remember the fresh output arrays handed to the caller, for :meth:`output_buffer`.
