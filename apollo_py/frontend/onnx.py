@@ -77,23 +77,8 @@ def load_onnx(model: Any) -> "OnnxProgram":
     """
     import onnx
 
-    base_dir = None
-    if isinstance(model, onnx.ModelProto):
-        proto = model
-    elif isinstance(model, (bytes, bytearray, memoryview)):
-        proto = _parse(bytes(model), "the model bytes")
-    elif isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ModelLoadError(f"cannot read ONNX model {path!r}: {e.strerror or e}") from None
-        proto = _parse(data, f"ONNX model file {path!r}")
-        base_dir = os.path.dirname(os.path.abspath(path))
-    else:
-        raise ModelLoadError(f"cannot load a model from a {type(model).__name__}: pass a path, bytes, "
-                             "an onnx.ModelProto or an apollo_py Graph")
+    proto, base_dir = read_model_proto(model, "cannot load a model")
+    path = os.fspath(model) if base_dir is not None else None
     if not proto.HasField("graph"):
         raise ModelLoadError("the ONNX model has no graph (malformed or truncated model)")
     proto, mapped = _map_external_data(proto, base_dir)
@@ -116,6 +101,30 @@ def load_onnx(model: Any) -> "OnnxProgram":
         except Exception as e:
             raise ModelLoadError(f"cannot inline the model's local functions: {e}") from None
     return OnnxProgram(proto, mapped)
+
+
+def read_model_proto(model: Any, refusal: str) -> tuple:
+    """``(ModelProto, folder of the model file or None)`` for a path, bytes or ModelProto.
+
+    Raises ModelLoadError for unreadable or malformed data, and for any other type (the
+    message starts with ``refusal``).  External data is not touched here.
+    """
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return model, None
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return _parse(bytes(model), "the model bytes"), None
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read ONNX model {path!r}: {e.strerror or e}") from None
+        return _parse(data, f"ONNX model file {path!r}"), os.path.dirname(os.path.abspath(path))
+    raise ModelLoadError(f"{refusal} from a {type(model).__name__}: pass a path, bytes, "
+                         "an onnx.ModelProto or an apollo_py Graph")
 
 
 def _parse(data: bytes, what: str):

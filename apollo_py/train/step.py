@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ApolloError, InputError, ModelLoadError
+from ..errors import ApolloError, InputError
 from ..ir.builder import GraphBuilder
 from ..ir.graph import Graph
 from ..ir.types import FLOAT_DTYPES
@@ -63,23 +63,9 @@ def _load_proto(model):
     """The model's ModelProto, read and checked by the front end's loader: malformed or truncated
     files and external data outside the model's folder raise ModelLoadError, and external
     tensors are read in (so the proto is self-contained)."""
-    import onnx
-    from ..frontend.onnx import _parse, _resolve_external_data
-    if isinstance(model, onnx.ModelProto):
-        return _resolve_external_data(model, None)
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        return _resolve_external_data(_parse(bytes(model), "the model bytes"), None)
-    if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ModelLoadError(f"cannot read ONNX model {path!r}: {e.strerror or e}") from None
-        proto = _parse(data, f"ONNX model file {path!r}")
-        return _resolve_external_data(proto, os.path.dirname(os.path.abspath(path)))
-    raise ModelLoadError(f"train_step cannot load a model from a {type(model).__name__}: pass an ONNX "
-                         "path, bytes or ModelProto, or an apollo_py Graph")
+    from ..frontend.onnx import _resolve_external_data, read_model_proto
+    proto, base_dir = read_model_proto(model, "train_step cannot load a model")
+    return _resolve_external_data(proto, base_dir)
 
 
 def _onnx_params(proto, names: Sequence[str] | None):
