@@ -525,6 +525,17 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
             return rewrite(s)
         return s
 
+    def new_lanes(var: str, reds: dict, width: int):
+        """A fresh tag, one ``width``-lane Alloc per fold of ``reds`` (declared via ``allocs``),
+        and the lane index Var."""
+        counter[0] += 1
+        tag = f"{var}_{counter[0]}"
+        bufs = {}
+        for name, (op, dt) in reds.items():
+            bufs[name] = L.Alloc(f"lanes_{name}_{counter[0]}", dt, width)
+            allocs.append(bufs[name])
+        return tag, bufs, L.Var(f"l_{tag}")
+
     def rewrite_nest(f: L.For):
         """``for j: for l: s = s op e(j, l)`` (a perfect two-loop fold, the inner extent a
         multiple of ``lanes`` up to ``nest_lanes``): one lane per inner iteration ``l``, each
@@ -548,14 +559,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
             if pre:      # undo: the plain path handles the store fold on the inner loop
                 del allocs[len(allocs) - len(pre):]
             return None
-        counter[0] += 1
-        tag = f"{inner.var.name}_{counter[0]}"
-        bufs = {}
-        for name, (op, dt) in reds.items():
-            a = L.Alloc(f"lanes_{name}_{counter[0]}", dt, width)
-            allocs.append(a)
-            bufs[name] = a
-        lane = L.Var(f"l_{tag}")
+        tag, bufs, lane = new_lanes(inner.var.name, reds, width)
         lo = inner.lo.value
         stmts = list(pre)
         for name, (op, dt) in reds.items():
@@ -598,14 +602,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
         return rewrite_lanes(f, body, reds, _order_free_lanes(reds, lanes, extent))
 
     def rewrite_lanes(f: L.For, body: list, reds: dict, lanes: int):
-        counter[0] += 1
-        tag = f"{f.var.name}_{counter[0]}"
-        bufs = {}
-        for name, (op, dt) in reds.items():
-            a = L.Alloc(f"lanes_{name}_{counter[0]}", dt, lanes)
-            allocs.append(a)
-            bufs[name] = a
-        lane = L.Var(f"l_{tag}")
+        tag, bufs, lane = new_lanes(f.var.name, reds, lanes)
         blk = L.Var(f"b_{tag}")
         tail = L.Var(f"t_{tag}")
         lo, hi = f.lo.value, f.hi.value
