@@ -78,22 +78,27 @@ class _Fn:
         return self.op(f"fcmp {pred} float {a}, {b}")
 
 
+def _reduce_exp(fn: _Fn, x: str) -> tuple[str, str]:
+    """Cephes' reduction of a clamped ``x``: ``(n, expm1(r))`` with ``x = n ln2 + r`` (two-part
+    ln2), ``n = rint(x / ln2)`` (0 for NaN) and ``expm1(r) = r + r^2 P(r)``."""
+    t = fn.f("fmul", x, fconst(1.44269504088896341))
+    n = fn.op(f"call float @llvm.rint.f32(float {t})")
+    n = fn.sel(fn.cmp("uno", x, x), fconst(0.0), n)
+    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(-0.693359375)}, float {x})")
+    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(2.12194440e-4)}, float {r})")
+    p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
+                    1.6666665459E-1, 5.0000001201E-1])
+    z = fn.f("fmul", r, r)
+    return n, fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
+
+
 def _exp(fn: _Fn, x: str) -> str:
     lo = fn.cmp("olt", x, fconst(-104.0))
     x1 = fn.sel(lo, fconst(-104.0), x)
     hi = fn.cmp("ogt", x1, fconst(88.8))
     x2 = fn.sel(hi, fconst(88.8), x1)
-    t = fn.f("fmul", x2, fconst(1.44269504088896341))
-    n = fn.op(f"call float @llvm.rint.f32(float {t})")
-    isnan = fn.cmp("uno", x, x)
-    n = fn.sel(isnan, fconst(0.0), n)
-    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(-0.693359375)}, float {x2})")
-    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(2.12194440e-4)}, float {r})")
-    p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
-                    1.6666665459E-1, 5.0000001201E-1])
-    z = fn.f("fmul", r, r)
-    y = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
-    y = fn.f("fadd", y, fconst(1.0))
+    n, em_r = _reduce_exp(fn, x2)
+    y = fn.f("fadd", em_r, fconst(1.0))
     ni = fn.op(f"fptosi float {n} to i32")
     if fn.scalef:   # one vscalefps: overflow to inf and one rounding into subnormals, as below
         return fn.op(f"call float @llvm.ldexp.f32.i32(float {y}, i32 {ni})")
@@ -151,15 +156,7 @@ def _tanh(fn: _Fn, x: str) -> str:
     # tanh rounds to +-1 in float32 beyond |2x| = 18.1: clamp (NaN passes) so 2^n is normal
     a = fn.sel(fn.cmp("ogt", a, fconst(20.0)), fconst(20.0), a)
     a = fn.sel(fn.cmp("olt", a, fconst(-20.0)), fconst(-20.0), a)
-    t = fn.f("fmul", a, fconst(1.44269504088896341))
-    n = fn.op(f"call float @llvm.rint.f32(float {t})")
-    n = fn.sel(fn.cmp("uno", a, a), fconst(0.0), n)
-    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(-0.693359375)}, float {a})")
-    r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(2.12194440e-4)}, float {r})")
-    p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
-                    1.6666665459E-1, 5.0000001201E-1])
-    z = fn.f("fmul", r, r)
-    em_r = fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
+    n, em_r = _reduce_exp(fn, a)
     ni = fn.op(f"fptosi float {n} to i32")
     if fn.scalef:
         sc = fn.op(f"call float @llvm.ldexp.f32.i32(float {fconst(1.0)}, i32 {ni})")
