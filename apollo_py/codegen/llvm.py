@@ -23,6 +23,9 @@ Choices that matter for speed (DESIGN.md section 8, measured):
   host CPU and features, ``prefer-vector-width=512`` when AVX-512 is present (measured on
   the Rocket Lake dev box, one thread: softmax [32768,128] 2.5 ms vs 4.4 ms with LLVM's
   default 256-bit preference; bias+GELU [1024,3072] 2.3 ms vs 7.3 ms).
+* large outputs written in whole aligned vectors get a second impl ``name.impl.nt`` with
+  streaming stores, chosen by the wrapper when the output pointers are 64-byte aligned
+  (nontemporal.py; softmax [768,128,128] 2 threads, see RESULTS.md).
 
 llvmlite is imported lazily so that importing apollo_py stays fast.
 """
@@ -36,6 +39,7 @@ import threading
 
 from apollo_py.codegen import llvm_math
 from apollo_py.codegen import loopir as L
+from apollo_py.codegen import nontemporal
 from apollo_py.codegen.compiled import CompiledKernelBase
 from apollo_py.codegen.printer import Printer, expand_pow
 from apollo_py.errors import CompileError
@@ -556,12 +560,20 @@ class LLVMPrinter(Printer):
         self.params = tuple(k.params)
         for p in k.params:
             self.scope["@buf:" + p.name] = ("%p." + p.name, p.dtype)
-        self.stmt(k.body)
-        params = ", ".join(f"ptr noalias nocapture %p.{p.name}" for p in k.params)
+        # large outputs: a second impl with streaming stores (nontemporal.py), x86 only
+        streamed = nontemporal.nontemporal_params(k) if "+sse2" in cpu_attrs else ()
         sep = ", " if k.params else ""
-        impl = [f"define internal void @{k.name}.impl({params}{sep}i64 %lo, i64 %hi) #0 {{",
-                "entry:", *self.entry, "  br label %body", "body:", *self.lines,
-                "  ret void", "}"]
+        impl = []
+        for suffix, nt in ((".impl", ()), (".impl.nt", streamed))[:2 if streamed else 1]:
+            self.entry, self.lines = [], []
+            self.stmt(k.body)
+            params = nontemporal.impl_header_params(k.params, nt)
+            fence = ["  call void @llvm.x86.sse.sfence()"] if nt else []
+            impl += [f"define internal void @{k.name}{suffix}({params}{sep}i64 %lo, i64 %hi) #0 {{",
+                     "entry:", *self.entry, "  br label %body", "body:", *self.lines,
+                     *fence, "  ret void", "}"]
+        if streamed:
+            self.declare("declare void @llvm.x86.sse.sfence()")
         wrapper = [f"define void @{k.name}(ptr %args, i64 %lo, i64 %hi) #2 {{", "entry:"]
         call_args = []
         for i, p in enumerate(k.params):
@@ -569,7 +581,10 @@ class LLVMPrinter(Printer):
             wrapper.append(f"  %a{i} = load ptr, ptr %g{i}")
             call_args.append(f"ptr %a{i}")
         call_args += ["i64 %lo", "i64 %hi"]
-        wrapper += [f"  call void @{k.name}.impl({', '.join(call_args)})", "  ret void", "}"]
+        if streamed:
+            wrapper += [*nontemporal.wrapper_dispatch(k.name, k.params, streamed, ", ".join(call_args)), "}"]
+        else:
+            wrapper += [f"  call void @{k.name}.impl({', '.join(call_args)})", "  ret void", "}"]
         if self.helpers:
             for decl in llvm_math.INTRINSIC_DECLS:
                 self.declare(decl)
@@ -579,6 +594,7 @@ class LLVMPrinter(Printer):
         # param dtypes in the text: int8 and uint8 kernels may render alike but must not share a
         # loaded kernel (its argument checks are per dtype); the cache key hashes this text
         parts = [f"; kernel {k.name}", f"; param dtypes {' '.join(p.dtype for p in k.params)}",
+                 *([nontemporal.marker(k.name, streamed)] if streamed else []),
                  *self.decls.keys(),
                  llvm_math.render_helpers(self.helpers, scalef="+avx512f" in cpu_attrs),
                  "\n".join(impl), "\n".join(wrapper), *attrs, *self.metadata]
@@ -666,7 +682,7 @@ def optimize_ir(text: str):
     except RuntimeError as exc:
         raise CompileError(f"invalid LLVM IR: {exc}") from exc
     run_o3(mod)
-    return mod
+    return nontemporal.apply_after_o3(text, mod, llvm)
 
 
 def run_o3(mod) -> None:

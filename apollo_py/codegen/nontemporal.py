@@ -1,0 +1,240 @@
+"""Non-temporal (streaming) stores of large kernel outputs, LLVM back end (x86).
+
+An ordinary store to a line that is not in cache first reads the line (read-for-ownership),
+so a kernel writing a large output moves 3 bytes per byte written (read in, RFO, write back)
+instead of 2.  Streaming stores (``movntps``) write whole lines without reading them.
+
+How a kernel gets them (all in the renderer; the runtime is unchanged):
+
+1. :func:`nontemporal_params` picks the params to stream: outputs of at least
+   ``NT_MIN_BYTES`` that the kernel never reads, every store to which sits directly in an
+   innermost ``vector`` loop at an index ``base + i`` (``i`` that loop's variable, bounds and
+   ``base`` multiples of one 64-byte vector), so every widened store covers whole lines.
+2. The renderer emits a second impl ``<name>.impl.nt`` whose streamed pointer params carry
+   ``align 64`` and which ends with ``sfence`` (streaming stores are weakly ordered and another
+   thread reads the output next).  The wrapper calls it only when every streamed pointer is
+   64-byte aligned at run time (:func:`wrapper_dispatch`), else the ordinary impl -- a user's
+   ``out=`` array may be only 16-byte aligned, and there the ``align 64`` would be false.
+3. LLVM's loop vectoriser refuses a scalar ``!nontemporal`` store whose alignment is below
+   the vector's (X86 ``isLegalNTStore``), so the IR is rendered without it; after O3,
+   :func:`mark_nontemporal` adds ``!nontemporal`` to the vector stores of the NT impl whose
+   pointer derives only from streamed params and whose alignment (proved by LLVM from the
+   ``align 64`` params and the index) is at least the vector's size (or 64 bytes).  The
+   metadata is a hint: it changes no value, only how the x86 back end stores.
+
+Measured on the 2-core Xeon (AVX-512) box, see NT_MIN_BYTES and benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from functools import lru_cache
+
+from apollo_py.codegen import loopir as L
+from apollo_py.errors import CompileError
+
+# Outputs smaller than this are left to ordinary stores: the next kernel re-reads a small
+# output from cache, which a streamed one has left.  Measured (softmax rows of 128 float32,
+# 2 threads, output repeatedly written and read, benchmarks in the module's commit message):
+# streaming lost below ~4 MiB (the outputs fit in L2/L3) and won from 8 MiB up.
+NT_MIN_BYTES = 8 << 20
+VECTOR_BYTES = 64          # one AVX-512 register, one cache line: the alignment NT impls need
+_SIZES = {"float32": 4, "float64": 8, "float16": 2, "int16": 2, "int32": 4, "int64": 8,
+          "uint16": 2, "uint32": 4, "uint64": 8}
+
+
+@lru_cache(maxsize=None)
+def source_digest() -> str:
+    """sha256 prefix of this module's source: the rendered text carries it, so a change to
+    the post-O3 rewrite changes the piece cache keys of every kernel it applies to."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------- choosing params
+
+def _loaded(node, out: set) -> None:
+    """Add the names of the buffers loaded anywhere under ``node`` to ``out``."""
+    if isinstance(node, L.Load):
+        out.add(node.buf.name)
+    if isinstance(node, (list, tuple)):
+        for x in node:
+            _loaded(x, out)
+    elif isinstance(node, (L.Stmt, L.Expr)):
+        for f in dataclasses.fields(node):
+            v = getattr(node, f.name)
+            if isinstance(v, (L.Stmt, L.Expr, list, tuple)):
+                _loaded(v, out)
+
+
+def _stores(s: L.Stmt, loop, guarded: bool, out: list) -> None:
+    """Collect ``(store, innermost enclosing For or None, under an If inside that loop)``."""
+    if isinstance(s, L.Store):
+        out.append((s, loop, guarded))
+    elif isinstance(s, L.Block):
+        for x in s.stmts:
+            _stores(x, loop, guarded, out)
+    elif isinstance(s, L.For):
+        _stores(s.body, s, False, out)
+    elif isinstance(s, L.If):
+        _stores(s.then, loop, True, out)
+        if s.else_ is not None:
+            _stores(s.else_, loop, True, out)
+
+
+def _streamable(store: L.Store, loop, guarded: bool) -> bool:
+    """True when every widened store of ``store`` covers whole 64-byte-aligned vectors."""
+    from apollo_py.codegen.llvm import _affine
+    size = _SIZES.get(store.buf.dtype)
+    if size is None or loop is None or guarded or loop.kind != "vector":
+        return False
+    vec = VECTOR_BYTES // size
+    if not (isinstance(loop.lo, L.Const) and isinstance(loop.hi, L.Const)):
+        return False
+    if loop.lo.value % vec or loop.hi.value % vec or loop.hi.value <= loop.lo.value:
+        return False
+    aff = _affine(store.index)
+    if aff is None or aff.get(loop.var.name) != 1:
+        return False
+    return all(c % vec == 0 for name, c in aff.items() if name != loop.var.name)
+
+
+def nontemporal_params(k: L.Kernel, min_bytes: int | None = None) -> tuple:
+    """Names of the params of ``k`` whose stores should stream (in param order).
+
+    A param qualifies when it holds at least ``min_bytes`` (default NT_MIN_BYTES), is never
+    loaded by ``k``, is stored at least once, and every store to it is streamable (see the
+    module docstring).  Returns ``()`` when none does.
+    """
+    limit = NT_MIN_BYTES if min_bytes is None else min_bytes
+    loaded: set = set()
+    _loaded(k.body, loaded)
+    stores: list = []
+    _stores(k.body, None, False, stores)
+    out = []
+    for p in k.params:
+        size = _SIZES.get(p.dtype)
+        mine = [s for s in stores if s[0].buf.name == p.name]
+        if size is None or p.size * size < limit or p.name in loaded or not mine:
+            continue
+        if all(_streamable(*s) for s in mine):
+            out.append(p.name)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------- rendering
+
+def impl_header_params(params, streamed) -> str:
+    """The parameter list of an impl: ``align 64`` on the streamed pointers (legal only because
+    :func:`wrapper_dispatch` calls the NT impl with 64-byte-aligned ones)."""
+    return ", ".join(f"ptr noalias nocapture{' align %d' % VECTOR_BYTES if p.name in streamed else ''}"
+                     f" %p.{p.name}" for p in params)
+
+
+def wrapper_dispatch(name: str, params, streamed, call_args: str) -> list:
+    """Wrapper lines (after the ``%aI`` pointer loads) calling ``name.impl.nt`` when every
+    streamed pointer is VECTOR_BYTES-aligned and ``name.impl`` otherwise."""
+    lines, acc = [], "0"
+    for i, p in enumerate(params):
+        if p.name in streamed:
+            lines.append(f"  %nt.i{i} = ptrtoint ptr %a{i} to i64")
+            lines.append(f"  %nt.o{i} = or i64 {acc}, %nt.i{i}")
+            acc = f"%nt.o{i}"
+    lines += [f"  %nt.low = and i64 {acc}, {VECTOR_BYTES - 1}",
+              "  %nt.ok = icmp eq i64 %nt.low, 0",
+              "  br i1 %nt.ok, label %stream, label %plain",
+              "stream:", f"  call void @{name}.impl.nt({call_args})", "  ret void",
+              "plain:", f"  call void @{name}.impl({call_args})", "  ret void"]
+    return lines
+
+
+def marker(name: str, streamed) -> str:
+    """The comment line that tells :func:`apply_after_o3` which impl and params to mark."""
+    return f"; nontemporal @{name}.impl.nt {','.join(streamed)} rewrite {source_digest()}"
+
+
+# ---------------------------------------------------------------------- after O3
+
+_MARKER = re.compile(r"^; nontemporal @(\S+) (\S+) rewrite \w+$", re.M)
+_NAME = r"%[-\w.$]+"
+_GEP = re.compile(rf"^\s*({_NAME}) = getelementptr\b[^,]*, ptr ({_NAME})")
+_PHI = re.compile(rf"^\s*({_NAME}) = phi ptr (.*)$")
+_SELECT = re.compile(rf"^\s*({_NAME}) = select i1 [^,]+, ptr ({_NAME}), ptr ({_NAME})")
+_STORE = re.compile(rf"^(\s*store <(\d+) x (\w+)> .*, ptr ({_NAME}), align (\d+))(.*)$")
+_ELEM_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat": 2, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
+
+
+def _derived(body: list, roots: set) -> set:
+    """Pointer values of ``body`` derived only from ``roots`` through getelementptr, phi and
+    select (the greatest such set: start from every candidate and drop any with another
+    source until nothing changes)."""
+    sources: dict = {}
+    for ln in body:
+        m = _GEP.match(ln)
+        if m:
+            sources[m.group(1)] = [m.group(2)]
+            continue
+        m = _SELECT.match(ln)
+        if m:
+            sources[m.group(1)] = [m.group(2), m.group(3)]
+            continue
+        m = _PHI.match(ln)
+        if m:
+            sources[m.group(1)] = re.findall(r"\[\s*([^,\s]+)\s*,", m.group(2))
+    keep = set(sources) | roots
+    changed = True
+    while changed:
+        changed = False
+        for v, src in sources.items():
+            if v in keep and not all(s in keep for s in src):
+                keep.discard(v)
+                changed = True
+    return keep
+
+
+def mark_nontemporal(ir: str, fn: str, streamed) -> tuple:
+    """Add ``!nontemporal`` to the vector stores of function ``@fn`` in optimised IR text
+    ``ir`` whose pointer derives only from the params ``%p.<name>`` (name in ``streamed``)
+    and whose alignment is at least min(vector bytes, 64).  Returns ``(text, stores marked)``;
+    the text is unchanged when the function is absent or no store qualifies.
+    """
+    lines = ir.split("\n")
+    head = re.compile(rf"^define .*@\"?{re.escape(fn)}\"?\(")
+    start = next((i for i, ln in enumerate(lines) if head.match(ln)), None)
+    if start is None:
+        return ir, 0
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    roots = {f"%p.{n}" for n in streamed}
+    ok = _derived(lines[start + 1:end], roots)
+    md = 1 + max((int(x) for x in re.findall(r"^!(\d+) = ", ir, re.M)), default=-1)
+    count = 0
+    for i in range(start + 1, end):
+        m = _STORE.match(lines[i])
+        if not m or "!nontemporal" in m.group(6) or m.group(4) not in ok:
+            continue
+        nbytes = int(m.group(2)) * _ELEM_BYTES.get(m.group(3), 0)
+        if nbytes < 16 or nbytes % 16 or int(m.group(5)) < min(nbytes, VECTOR_BYTES):
+            continue
+        lines[i] = f"{m.group(1)}, !nontemporal !{md}{m.group(6)}"
+        count += 1
+    if not count:
+        return ir, 0
+    return "\n".join(lines) + f"\n!{md} = !{{i32 1}}\n", count
+
+
+def apply_after_o3(rendered: str, mod, llvm):
+    """Return ``mod`` (an optimised llvmlite module of ``rendered``) with the NT impl's stores
+    marked, re-parsed, when the rendered text carries a :func:`marker`; else ``mod`` itself."""
+    m = _MARKER.search(rendered)
+    if m is None:
+        return mod
+    text, n = mark_nontemporal(str(mod), m.group(1), m.group(2).split(","))
+    if not n:
+        return mod
+    try:
+        out = llvm.parse_assembly(text)
+        out.verify()
+    except RuntimeError as exc:
+        raise CompileError(f"non-temporal store rewrite of @{m.group(1)} gave invalid IR: {exc}") from exc
+    return out
