@@ -142,6 +142,43 @@ class CompiledGraph:
                 result[k] = d
         return result
 
+    def run_updating(self, updates: Mapping[str, str], /, **feeds) -> list[np.ndarray]:
+        """Run on ``feeds`` (by name) and store each output ``o`` of ``updates`` (output name ->
+        input name) into that input's array, e.g. a training step's new weights into the weights.
+
+        Where the compiled steps allow it (``runtime/inplace.py``: the writing kernel or BLAS
+        call reads each element before overwriting it, and nothing reads the input later) the
+        output is computed straight into the input's array; otherwise it is computed as usual
+        and copied in.  The arrays to update must be C-contiguous and writeable.  Returns all
+        outputs, the updated ones being the input arrays themselves.
+        """
+        bound = self._bind((), feeds)
+        outs, seen = self.output_names, set()
+        for o, i in updates.items():
+            if o not in outs or i not in bound:
+                raise InputError(f"run_updating: {o!r} -> {i!r} must map an output ({outs}) to an "
+                                 f"input ({self.input_names})")
+            if i in seen:
+                raise InputError(f"run_updating: input {i!r} is the target of two outputs")
+            seen.add(i)
+            a = bound[i]
+            if a is not feeds[i] or not a.flags.writeable:
+                raise InputError(f"run_updating: input {i!r} must be a C-contiguous, writeable numpy array")
+        exe = self.specialization({k: v.shape for k, v in bound.items()})
+        direct = {}
+        if getattr(exe, "supports_out", False) and hasattr(exe, "inplace_reason"):
+            direct = {o: bound[i] for o, i in updates.items() if not exe.inplace_reason(o, i)}
+        result = list(exe.run(bound, out=direct) if direct else exe.run(bound))
+        for k, name in enumerate(outs):
+            if name in updates and name not in direct:
+                dest = bound[updates[name]]
+                if dest.shape != result[k].shape or dest.dtype != result[k].dtype:
+                    raise InputError(f"run_updating: output {name!r} is {result[k].shape} {result[k].dtype}, "
+                                     f"input {updates[name]!r} is {dest.shape} {dest.dtype}")
+                np.copyto(dest, result[k])
+                result[k] = dest
+        return result
+
     def _bind_out(self, out, graph, feeds) -> dict[str, np.ndarray]:
         """Validate ``out`` (see :meth:`run`) against the output types; name -> array."""
         names = self.output_names

@@ -166,8 +166,10 @@ class Plan:
         if self.kernels:
             n_gen = sum(1 for k in self.kernels if getattr(k, "fused", None) is not None
                         or getattr(k, "gemm", None) is not None)
-            lines.append(f"{len(self.kernels)} steps ({n_gen} generated kernels, "
-                         f"{len(self.kernels) - n_gen} numpy steps):")
+            n_blas = sum(1 for k in self.kernels if getattr(k, "blas", None) is not None)
+            blas = f"{n_blas} BLAS calls, " if n_blas else ""
+            lines.append(f"{len(self.kernels)} steps ({n_gen} generated kernels, {blas}"
+                         f"{len(self.kernels) - n_gen - n_blas} numpy steps):")
             for k, step in enumerate(self.kernels):
                 fb = [fallback_text(n) for n in getattr(step, "nodes", ()) if n.op == "onnx_op"]
                 lines.append(f"  {k:>2}  {'; '.join(fb) if fb else step.describe()}")

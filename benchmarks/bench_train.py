@@ -259,6 +259,10 @@ def profile_cpu_step(w0, x, y, opt: str, threads: int | None, gemm: str = "auto"
                     exe._pool.run_many([(s.compiled, [env[v] for v in s.param_values]) for s in item]) \
                         if len(item) > 1 else exe._pool.run(item[0].compiled, [env[v] for v in item[0].param_values])
                 elif hasattr(item, "execute"):
+                    if getattr(item, "writes_buffers", False):
+                        for v in item.outputs:
+                            if v in exe._fresh:
+                                env[v] = arena.output_buffer(v, *exe._fresh[v])
                     item.execute(env, exe._pool)
                 else:
                     local = {v: env[v] for v in item.inputs}
@@ -279,6 +283,8 @@ def profile_cpu_step(w0, x, y, opt: str, threads: int | None, gemm: str = "auto"
         for s in (item if kind == "kernels" else [item]):
             if getattr(s, "fused", None) is not None:
                 what = "kernel " + " ".join(n.op for n in s.fused.nodes)
+            elif getattr(s, "desc", None) is not None:
+                what = "cblas " + s.desc.formula()
             elif hasattr(s, "execute"):
                 what = "generated GEMM + epilogue"
             else:

@@ -42,8 +42,13 @@ class StepSpec:
     reason: str = ""
     micro_graphs: tuple = field(default=())
     gemm: object = None     # codegen.gemm.GemmDesc: the generated GEMM runs ``nodes``
+    blas: object = None     # runtime.blas.BlasDesc: one cblas ?gemm call runs ``nodes`` (blas_fold.py)
 
     def to_dict(self) -> dict:
+        if self.blas is not None:
+            return {"kind": "blas", "call": self.blas.formula(), "ops": [n.op for n in self.nodes],
+                    "inputs": list(self.inputs), "outputs": list(self.outputs), "reason": self.reason,
+                    "micro_graphs": list(self.micro_graphs)}
         if self.gemm is not None:
             return {"kind": "gemm", "name": self.gemm.name, "ops": [n.op for n in self.nodes],
                     "inputs": list(self.inputs), "outputs": list(self.outputs), "reason": self.reason,
@@ -69,7 +74,10 @@ class StepSpec:
 
     @property
     def flops(self) -> int:
-        """Estimated floating-point operations of a generated kernel (0 for a numpy step)."""
+        """Estimated floating-point operations of a generated kernel or a BLAS call (0 for a
+        numpy step)."""
+        if self.blas is not None:
+            return self.blas.flops
         return self.fused.flops if self.fused is not None else 0
 
     @property
@@ -89,6 +97,8 @@ class StepSpec:
                 return f"; generated GEMM {self.gemm.name} has LLVM source only ({self.reason})"
             from ..codegen.gemm import render_gemm
             return render_gemm(self.gemm)
+        if self.blas is not None:
+            return f"; cblas ?gemm call, no generated code: {self.blas.formula()} ({self.reason})"
         if self.fused is None:
             return f"; numpy step, no generated code: {' '.join(n.op for n in self.nodes)} ({self.reason})"
         if kind == "c":
@@ -98,6 +108,8 @@ class StepSpec:
         return render_llvm(self.fused.loop)
 
     def describe(self) -> str:
+        if self.blas is not None:
+            return f"blas   {self.blas.formula()}: {' '.join(n.op for n in self.nodes)}  ({self.reason})"
         if self.gemm is not None:
             return f"gemm   {self.gemm.name}: {' '.join(n.op for n in self.nodes)}  ({self.reason})"
         if self.fused is not None:

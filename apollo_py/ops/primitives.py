@@ -175,6 +175,12 @@ register(OpDef("broadcast_to", COMPUTED, _bto_infer,
                attrs={"shape": REQUIRED}, scalar="copy", doc="numpy broadcast_to"))
 
 
+register(OpDef("stop_gradient", COMPUTED, lambda ins, a: [ins[0]], lambda xs, a: [np.array(xs[0], copy=True)],
+               _bcast_access, (1, 1), scalar="copy",
+               doc="the identity; reverse-mode autodiff passes no gradient through it (train_step "
+                   "drops it from the compiled step)"))
+
+
 # --- reductions ----------------------------------------------------------------------------
 
 def _norm_axes(axes, rank):

@@ -79,8 +79,9 @@ class CpuExecutable:
         self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(graph.outputs) | set(self.constants)
-        # only kernel outputs go into the arena; reference steps return their own arrays
-        kernel_outs = {v for s in self.steps if isinstance(s, KernelStep) for v in s.outputs}
+        # only outputs of kernels and BLAS calls go into the arena; reference steps return their
+        # own arrays
+        kernel_outs = {v for s in self.steps if _writes_buffers(s) for v in s.outputs}
         external |= {v for s in self.steps for v in s.outputs if v not in kernel_outs}
         self.memory = plan_memory([(s.inputs, s.outputs) for s in self.steps],
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
@@ -90,7 +91,8 @@ class CpuExecutable:
         self.plan = plan
         self._schedule = self._dispatch_schedule()
         self._fresh = {v: (graph.types[v].shape, graph.types[v].np_dtype) for s in self.steps
-                       if isinstance(s, KernelStep) for v in s.outputs if v not in self.memory.slots}
+                       if _writes_buffers(s) for v in s.outputs if v not in self.memory.slots}
+        self._inplace: dict[tuple, str] = {}
         self._copy_out = tuple(v in self.memory.slots or v in self.constants or v in graph.inputs
                                for v in graph.outputs)
 
@@ -117,7 +119,12 @@ class CpuExecutable:
         group: list = []
 
         def flush():
-            out.extend(("kernels", g) for g in _layer3_groups(group, self.machine, self._options))
+            for g in _layer3_groups(group, self.machine, self._options):
+                if len(g) > 1 and sum(_bytes(k) for k in g) < INLINE_BYTES:
+                    # too small to be worth waking the pool: each runs inline, one after another
+                    out.extend(("kernels", [k]) for k in g)
+                else:
+                    out.append(("kernels", g))
 
         for s in self.steps:
             if isinstance(s, KernelStep):
@@ -143,6 +150,16 @@ class CpuExecutable:
 
     supports_out = True
 
+    def inplace_reason(self, output: str, source: str) -> str:
+        """Why ``output`` cannot be written into input ``source``'s array ("" if it can; see
+        runtime/inplace.py), memoised per pair."""
+        key = (output, source)
+        why = self._inplace.get(key)
+        if why is None:
+            from .inplace import inplace_reason
+            why = self._inplace[key] = inplace_reason(self, output, source)
+        return why
+
     def run(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Graph outputs for ``feeds``; ``out`` (output name -> array, already validated by the
         caller) receives them in place: kernels write into it directly, other steps' results
@@ -156,14 +173,17 @@ class CpuExecutable:
         try:
             env.update(arena.views)     # every arena value, written before it is read
             fresh = self._fresh
+            def bind_outputs(s):
+                for v in s.outputs:
+                    if v in out and v in fresh:
+                        env[v] = out[v]
+                    elif v in fresh:
+                        env[v] = arena.output_buffer(v, *fresh[v])
+
             for kind, item in self._schedule:
                 if kind == "kernels":
                     for s in item:
-                        for v in s.outputs:
-                            if v in out and v in fresh:
-                                env[v] = out[v]
-                            elif v in fresh:
-                                env[v] = arena.output_buffer(v, *fresh[v])
+                        bind_outputs(s)
                     if len(item) == 1:
                         s = item[0]
                         args = [env[v] for v in s.param_values]
@@ -177,7 +197,9 @@ class CpuExecutable:
                         pool.run_many([(s.compiled, [env[v] for v in s.param_values], _parts(s)) for s in item])
                     continue
                 s = item
-                if hasattr(s, "execute"):     # a generated GEMM step (runtime/gemm_step.py)
+                if hasattr(s, "execute"):     # a generated GEMM (gemm_step.py) or a BLAS call (blas.py)
+                    if _writes_buffers(s):
+                        bind_outputs(s)
                     s.execute(env, pool)
                 else:
                     local = {v: env[v] for v in s.inputs}
@@ -203,6 +225,11 @@ class CpuExecutable:
             return result
         finally:
             self._arenas.release(arena)
+
+
+def _writes_buffers(step) -> bool:
+    """True for steps that write into buffers the runtime binds (kernels, BLAS calls)."""
+    return isinstance(step, KernelStep) or getattr(step, "writes_buffers", False)
 
 
 class _Layer3Kernel:
@@ -243,10 +270,15 @@ def _layer3_groups(run: list, machine, options=None) -> list:
     return [[k.step for k in g] for g in groups]
 
 
+def _bytes(step) -> int:
+    """Bytes a kernel step moves (an unknown amount counts as large)."""
+    return step.fused.bytes if step.fused is not None else CHUNK_BYTES * 64
+
+
 def _parts(step) -> int:
     """How many chunks a kernel step's parallel loop is worth (1 = run it inline)."""
     ext = step.compiled.parallel_extent
-    nbytes = step.fused.bytes if step.fused is not None else CHUNK_BYTES * 64
+    nbytes = _bytes(step)
     if ext is None or ext <= 1 or nbytes < INLINE_BYTES:
         return 1
     return max(1, min(ext, nbytes // CHUNK_BYTES))

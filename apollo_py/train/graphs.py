@@ -14,11 +14,14 @@ from ..ir.builder import GraphBuilder, Value
 from ..ir.graph import Graph
 
 
-def replay(b: GraphBuilder, graph: Graph, env: Mapping[str, Value]) -> dict[str, Value]:
+def replay(b: GraphBuilder, graph: Graph, env: Mapping[str, Value],
+           strip_stop_gradient: bool = False) -> dict[str, Value]:
     """Append ``graph``'s nodes to ``b``; ``env`` gives a value for every graph input.
 
     Returns name -> value for every value of ``graph``.  Node output names are kept where
     they are still free in ``b`` (so outputs stay recognisable), else renamed freshly.
+    ``strip_stop_gradient``: ``stop_gradient`` nodes (identities once the gradients exist) are
+    not appended; their outputs are their inputs.
     """
     vals: dict[str, Value] = {}
     for v in graph.inputs:
@@ -26,6 +29,9 @@ def replay(b: GraphBuilder, graph: Graph, env: Mapping[str, Value]) -> dict[str,
             raise GraphError(f"replay of graph {graph.name!r}: no value given for input {v!r}")
         vals[v] = env[v]
     for n in graph.nodes:
+        if strip_stop_gradient and n.op == "stop_gradient" and n.outputs[0] not in graph.outputs:
+            vals[n.outputs[0]] = vals[n.inputs[0]]
+            continue
         b.set_source(*(n.source or (n.name,)))
         names = [o if is_free(b, o) else b.fresh(o) for o in n.outputs]
         if n.op == "constant":

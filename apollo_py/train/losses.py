@@ -15,9 +15,14 @@ from .graphs import reduce_all, scalar
 
 
 def log_softmax(b: GraphBuilder, logits: Value, axis: int = -1) -> Value:
-    """``logits - max - log(sum(exp(logits - max)))`` along ``axis``."""
+    """``logits - max - log(sum(exp(logits - max)))`` along ``axis``.
+
+    The max only keeps ``exp`` in range: the result does not depend on it, so its gradient
+    is zero and it is a ``stop_gradient`` (as in jax.nn.log_softmax); the backward graph then
+    has no terms for the max (the cross-entropy gradient becomes ``softmax - onehot``, up to
+    the batch scale, with nothing for the ties of the max)."""
     ax = axis % len(logits.shape)
-    m = b.reduce_max(logits, axes=(ax,), keepdims=True)
+    m = b.op("stop_gradient", b.reduce_max(logits, axes=(ax,), keepdims=True))[0]
     z = b.sub(logits, m)
     lse = b.log(b.reduce_sum(b.exp(z), axes=(ax,), keepdims=True))
     return b.sub(z, lse)

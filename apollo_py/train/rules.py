@@ -22,6 +22,7 @@ from .graphs import as_float, scalar, sum_to, zeros
 
 NON_DIFFERENTIABLE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "not", "floor", "ceil", "iota",
+    "stop_gradient",
     "constant",
 })
 

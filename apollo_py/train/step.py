@@ -155,7 +155,7 @@ def build_train_graph(forward: Graph, params: Sequence[str], loss: str, optimize
     # shape (1,), broadcast against each parameter; inputs, not computed values, so that the
     # update chains of different parameters share no node (each fuses into its own kernel)
     scalar_vals = {k: u.input(k, a.shape, a.dtype.name) for k, a in scalars.items()}
-    vals = replay(u, with_grads, env)
+    vals = replay(u, with_grads, env, strip_stop_gradient=True)
     outs = [vals[o] for o in with_grads.outputs]
     new_params, new_state = [], []
     for p, g in zip(params, outs[1:]):
@@ -191,6 +191,7 @@ class TrainStep:
         self._model_inputs = [s.name for s in program.inputs if s.name not in params]
         self._dtypes = [a.dtype.name for a in params.values()]
         self._compiled: dict[tuple, Any] = {}
+        self._update_maps: dict[int, dict] = {}
 
     def graph_for(self, labels: np.ndarray, inputs: Mapping[str, np.ndarray]) -> Graph:
         """The training graph for these model-input and label shapes."""
@@ -224,10 +225,10 @@ class TrainStep:
         fn = self._compiled_for(labels, inputs)
         feeds = {**inputs, LABELS: labels, **self.params, **self.state,
                  **scalar_inputs(self.optimizer, self._dtypes, self.t + 1)}
-        outs = fn.run(**feeds)
         n = len(self.params)
-        for arr, new in zip(self.params.values(), outs[1:1 + n]):
-            np.copyto(arr, new)
+        # new parameters (outputs 1..n) go straight into the parameter arrays where the compiled
+        # step allows it (runtime/inplace.py), else they are copied in
+        outs = fn.run_updating(self._updates(fn), **feeds)
         # the previous state arrays are freed here, so the runtime's next fresh outputs of the
         # same sizes reuse their memory (no page faults)
         self.state = dict(zip(self.state, outs[1 + n:]))
@@ -235,6 +236,14 @@ class TrainStep:
         return float(outs[0])
 
     __call__ = step
+
+    def _updates(self, fn) -> dict:
+        """Output name -> parameter name for the new parameters of compiled step ``fn``."""
+        ups = self._update_maps.get(id(fn))
+        if ups is None:
+            names = fn.output_names[1:1 + len(self.params)]
+            ups = self._update_maps[id(fn)] = dict(zip(names, self.params))
+        return ups
 
     def state_dict(self) -> dict:
         """Copies of the parameters and optimizer state, and the number of steps taken."""

@@ -34,7 +34,7 @@ CASES = {
        for op in ["and", "or", "xor"]},
     **{op: ("elementwise", lambda b, op=op: b.op(op, x(b))[0])
        for op in ["neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "erf", "sigmoid",
-                  "relu", "floor", "ceil"]},
+                  "relu", "floor", "ceil", "stop_gradient"]},
     "not": ("elementwise", lambda b: b.op("not", x(b, dtype="bool"))[0]),
     "where": ("elementwise", lambda b: b.where(x(b, dtype="bool"), x(b, name="a"), x(b, name="c"))),
     "cast": ("elementwise", lambda b: b.cast(x(b), to="int64")),

@@ -8,22 +8,25 @@ import apollo_py as ap
 from apollo_py.feedback.log import read_events
 
 
-def _branches(n=4):
+SHAPE = (32, 256)    # 32 KiB per branch: four together are worth one pool job (cpu.INLINE_BYTES)
+
+
+def _branches(n=4, shape=SHAPE):
     b = ap.GraphBuilder("branches")
     outs = []
     for i in range(n):
-        x = b.input(f"x{i}", (4, 8))
+        x = b.input(f"x{i}", shape)
         outs.append(b.reduce_sum(b.exp(x), axes=(1,), keepdims=True))
     return b.build(outs)
 
 
-def _run(tmp_path, machine):
+def _run(tmp_path, machine, shape=SHAPE):
     (tmp_path / "machine.json").write_text(json.dumps(machine))
-    f = ap.jit(_branches(), options=ap.Options(target="cpu", cache_dir=str(tmp_path)))
-    xs = {f"x{i}": np.full((4, 8), 0.1 * i, np.float32) for i in range(4)}
+    f = ap.jit(_branches(shape=shape), options=ap.Options(target="cpu", cache_dir=str(tmp_path)))
+    xs = {f"x{i}": np.full(shape, 0.1 * i, np.float32) for i in range(4)}
     for i, y in enumerate(f.run(**xs)):
         np.testing.assert_allclose(y, np.exp(xs[f"x{i}"]).sum(axis=1, keepdims=True), rtol=1e-6)
-    exe = f.specialization({k: (4, 8) for k in xs})
+    exe = f.specialization({k: shape for k in xs})
     groups = [len(item) for kind, item in exe._schedule if kind == "kernels"]
     return groups, read_events(str(tmp_path / "feedback.jsonl"), "parallel_rejected") \
         if (tmp_path / "feedback.jsonl").exists() else []
@@ -32,6 +35,12 @@ def _run(tmp_path, machine):
 def test_cheap_launches_group_the_branches(tmp_path):
     groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9})
     assert groups == [4] and rejected == []
+
+
+def test_tiny_groups_run_inline(tmp_path):
+    # layer 3 groups them, but 4 x 128 bytes is not worth a pool wake-up: four inline entries
+    groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9}, shape=(4, 8))
+    assert groups == [1, 1, 1, 1] and rejected == []
 
 
 def test_slow_memory_leaves_kernels_alone(tmp_path):

@@ -120,3 +120,33 @@ def test_grad_api_contract():
         ap.grad(g, ["i"])
     with pytest.raises(ap.InputError, match="not an output"):
         ap.grad(g, ["x"], loss="zzz")
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_stop_gradient_blocks_the_gradient(target):
+    """d/dx sum(x * stop_gradient(x)) = x (not 2x); the forward value is x * x."""
+    rng = np.random.default_rng(9)
+    X = rng.standard_normal((4, 6)).astype(np.float32)
+    b = GraphBuilder()
+    x = b.input("x", X.shape)
+    g = b.build([reduce_all(b, b.mul(x, b.op("stop_gradient", x)[0]))])
+    loss, dx = ap.jit(ap.grad(g, ["x"]), target=target)(X)
+    np.testing.assert_allclose(loss, (X.astype(np.float64) ** 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(dx, X, rtol=1e-6)
+
+
+def test_cross_entropy_backward_has_no_max_terms():
+    """The max of the stable log-softmax is a stop_gradient: with ties in the max the gradient
+    is still softmax - onehot (no share of the cotangent goes to the tied maxima)."""
+    n, c = 4, 3
+    logits = np.array([[1, 1, 0], [2, 2, 2], [0, 5, 5], [3, 1, 2]], np.float64)
+    labels = np.array([0, 1, 2, 0])
+    b = GraphBuilder()
+    x, y = b.input("x", (n, c), "float64"), b.input("y", (n,), "int64")
+    gg = ap.grad(b.build([cross_entropy(b, x, y)]), ["x"])
+    _, dx = evaluate(gg, {"x": logits, "y": labels})
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    sm = e / e.sum(1, keepdims=True)
+    np.testing.assert_allclose(dx, (sm - np.eye(c)[labels]) / n, atol=1e-12)
+    backward_ops = [nd.op for nd in gg.nodes if nd.op in ("eq", "cast")]
+    assert len(backward_ops) == 2, backward_ops     # only the one-hot's eq + cast, no tie mask

@@ -1,0 +1,164 @@
+"""Direct calls into the BLAS numpy was built with, for matmul steps folded by
+:mod:`apollo_py.layers.blas_fold`.
+
+numpy's matmul cannot take a transposed operand without looking at strides, cannot accumulate
+into its output (``C = alpha * op(A) @ op(B) + beta * C``) and allocates a fresh result.  A
+:class:`BlasStep` calls ``cblas_sgemm`` / ``cblas_dgemm`` itself: transposes folded into the
+``trans`` flags, a scaled update ``P - c * A @ B`` folded into ``alpha`` and ``beta = 1``, the
+result written into the runtime's own buffer (an arena slot, a recycled output or the caller's
+``out=`` array, which may be ``P`` itself for an in-place update).
+
+The library is the one numpy links (``numpy.libs/libscipy_openblas*`` in the PyPI wheels).
+:func:`cblas` returns None where it cannot be found (another numpy build): the lowering then
+keeps matmul as a numpy step, which is always correct.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+
+# (symbol prefix, integer type): ILP64 builds first (numpy >= 2 wheels), then LP64 ones
+_FLAVOURS = (("scipy_cblas_{}64_", ctypes.c_int64), ("cblas_{}64_", ctypes.c_int64),
+             ("scipy_cblas_{}", ctypes.c_int), ("cblas_{}", ctypes.c_int))
+
+_lock = threading.Lock()
+_loaded: dict = {}
+
+
+def _candidate_libraries() -> list[str]:
+    import numpy
+    root = os.path.dirname(numpy.__file__)
+    names = []
+    for pattern in ("../numpy.libs/*blas*", ".dylibs/*blas*", "../numpy.libs/*mkl_rt*"):
+        names += sorted(glob.glob(os.path.join(root, pattern)))
+    return names
+
+
+class Cblas:
+    """``gemm(dtype, ...)``: the cblas ``?gemm`` of one library (float32 and float64)."""
+
+    def __init__(self, lib, fmt: str, itype):
+        self.library = lib._name
+        self._fns = {}
+        for dt, ch, ctype in (("float32", "s", ctypes.c_float), ("float64", "d", ctypes.c_double)):
+            fn = getattr(lib, fmt.format(ch + "gemm"))
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, itype, itype, itype, ctype,
+                           ctypes.c_void_p, itype, ctypes.c_void_p, itype, ctype, ctypes.c_void_p, itype]
+            self._fns[dt] = fn
+
+    def gemm(self, dtype: str, trans_a: bool, trans_b: bool, m: int, n: int, k: int, alpha: float,
+             a: int, b: int, beta: float, c: int) -> None:
+        """Row-major ``C[m,n] = alpha * op(A) @ op(B) + beta * C`` on data pointers ``a, b, c``
+        of C-contiguous arrays (A stored [k,m] when ``trans_a`` else [m,k]; B likewise)."""
+        self._fns[dtype](ROW_MAJOR, TRANS if trans_a else NO_TRANS, TRANS if trans_b else NO_TRANS,
+                         m, n, k, alpha, a, m if trans_a else k, b, k if trans_b else n, beta, c, n)
+
+
+def cblas() -> Cblas | None:
+    """The cblas of numpy's BLAS (loaded once), or None when it cannot be found."""
+    with _lock:
+        if "lib" not in _loaded:
+            _loaded["lib"] = _find()
+        return _loaded["lib"]
+
+
+def _find() -> Cblas | None:
+    for path in _candidate_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for fmt, itype in _FLAVOURS:
+            if hasattr(lib, fmt.format("sgemm")) and hasattr(lib, fmt.format("dgemm")):
+                return Cblas(lib, fmt, itype)
+    return None
+
+
+@dataclass(frozen=True)
+class BlasDesc:
+    """One folded BLAS call: ``out = alpha * op(a) @ op(b) (+ acc)``.
+
+    ``a`` is stored ``[k, m]`` if ``trans_a`` else ``[m, k]`` (an N-d ``a`` without ``trans_a``
+    is read as its flattened rows), ``b`` likewise ``[n, k]`` / ``[k, n]``; ``acc`` (a value of
+    the output's shape, or None) is added (``beta = 1``).  ``nodes`` are the graph nodes the
+    call computes (the matmul plus any folded transposes and update ops).
+    """
+
+    a: str
+    b: str
+    trans_a: bool
+    trans_b: bool
+    m: int
+    n: int
+    k: int
+    alpha: float
+    acc: str | None
+    out: str
+    dtype: str
+    nodes: tuple
+
+    @property
+    def inputs(self) -> tuple:
+        return tuple(dict.fromkeys(v for v in (self.a, self.b, self.acc) if v is not None))
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    def formula(self) -> str:
+        ta, tb = ("ᵀ" if self.trans_a else ""), ("ᵀ" if self.trans_b else "")
+        core = f"{self.a}{ta} @ {self.b}{tb}"
+        scale = abs(self.alpha) if self.acc else self.alpha
+        if scale != 1.0:
+            core = f"{scale:g} * {core}"
+        if self.acc is None:
+            return f"{self.out} = {core}"
+        return f"{self.out} = {self.acc} {'-' if self.alpha < 0 else '+'} {core}"
+
+
+class BlasStep:
+    """Runtime step of a :class:`BlasDesc` (``writes_buffers``: the runtime binds its output
+    buffer in ``env`` before :meth:`execute`, like a kernel's)."""
+
+    writes_buffers = True
+
+    def __init__(self, desc: BlasDesc, reason: str):
+        self.desc = desc
+        self.reason = reason
+        self.inputs = desc.inputs
+        self.outputs = (desc.out,)
+        self.nodes = desc.nodes
+        self._lib = cblas()
+        if self._lib is None:
+            raise InputError("no cblas library found next to numpy (the lowering checks this first)")
+
+    def execute(self, env: dict, pool=None) -> None:
+        d = self.desc
+        a, b, c = env[d.a], env[d.b], env[d.out]
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        if not b.flags.c_contiguous:
+            b = np.ascontiguousarray(b)
+        beta = 0.0
+        if d.acc is not None:
+            p = env[d.acc]
+            if p is not c:
+                np.copyto(c, p)
+            beta = 1.0
+        if d.m and d.n:
+            if d.k == 0:
+                if d.acc is None:
+                    c.fill(0)
+                return
+            self._lib.gemm(d.dtype, d.trans_a, d.trans_b, d.m, d.n, d.k, d.alpha,
+                           a.ctypes.data, b.ctypes.data, beta, c.ctypes.data)
