@@ -22,7 +22,12 @@ How a kernel gets them (all in the renderer; the runtime is unchanged):
    ``align 64`` params and the index) is at least the vector's size (or 64 bytes).  The
    metadata is a hint: it changes no value, only how the x86 back end stores.
 
-Measured on the 2-core Xeon (AVX-512) box, see NT_MIN_BYTES and benchmarks/RESULTS.md.
+Measured on the 2-core Xeon (AVX-512) box: a memory-bound kernel with a 48 MiB output runs
+0.63x (1 thread) / 0.71x (2 threads) the time of ordinary stores (see NT_MIN_BYTES).  Softmax
+[768,128,128] gains nothing measurable (2 threads, interleaved medians, ordinary -> streamed:
+3.32 -> 3.36 ms; logsoftmax 3.74 -> 3.67 ms):
+its kernel is bound by vector-port throughput (one thread runs 0.46 ns/element whether its rows
+are in L2 or not), not by the read-for-ownership traffic streaming removes.
 """
 from __future__ import annotations
 
@@ -34,11 +39,13 @@ from functools import lru_cache
 from apollo_py.codegen import loopir as L
 from apollo_py.errors import CompileError
 
-# Outputs smaller than this are left to ordinary stores: the next kernel re-reads a small
-# output from cache, which a streamed one has left.  Measured (softmax rows of 128 float32,
-# 2 threads, output repeatedly written and read, benchmarks in the module's commit message):
-# streaming lost below ~4 MiB (the outputs fit in L2/L3) and won from 8 MiB up.
-NT_MIN_BYTES = 8 << 20
+# Outputs smaller than this are left to ordinary stores: a kernel's working set that fits
+# in cache is rewritten there (and the next kernel re-reads it from there), which streaming
+# would send to memory instead.  Measured on the 2-core Xeon box (L2 4 MiB/core, L3 shared
+# and virtualised), o = (a + b[j]) * c[i] over rows of 128 float32, aligned, NT/plain time,
+# 1 and 2 threads: 8 MiB out 1.03 / 1.07, 16 MiB 1.01 / 0.98, 24 MiB 0.96 / 1.04,
+# 32 MiB 0.88 / 0.96, 48 MiB 0.63 / 0.71, 192 MiB 0.67 / 0.42.
+NT_MIN_BYTES = 32 << 20
 VECTOR_BYTES = 64          # one AVX-512 register, one cache line: the alignment NT impls need
 _SIZES = {"float32": 4, "float64": 8, "float16": 2, "int16": 2, "int32": 4, "int64": 8,
           "uint16": 2, "uint32": 4, "uint64": 8}
