@@ -9,7 +9,9 @@ How a kernel gets them (all in the renderer; the runtime is unchanged):
 1. :func:`nontemporal_params` picks the params to stream: outputs of at least
    ``NT_MIN_BYTES`` that the kernel never reads, every store to which sits directly in an
    innermost ``vector`` loop at an index ``base + i`` (``i`` that loop's variable, bounds and
-   ``base`` multiples of one 64-byte vector), so every widened store covers whole lines.
+   ``base`` multiples of one 64-byte vector), so every widened store covers whole lines,
+   and whose loop computes no transcendental (streaming slows those loops down, measured at
+   _EXPENSIVE_OPS).
 2. The renderer emits a second impl ``<name>.impl.nt`` whose streamed pointer params carry
    ``align 64`` and which ends with ``sfence`` (streaming stores are weakly ordered and another
    thread reads the output next).  The wrapper calls it only when every streamed pointer is
@@ -46,6 +48,13 @@ from apollo_py.errors import CompileError
 # 1 and 2 threads: 8 MiB out 1.03 / 1.07, 16 MiB 1.01 / 0.98, 24 MiB 0.96 / 1.04,
 # 32 MiB 0.88 / 0.96, 48 MiB 0.63 / 0.71, 192 MiB 0.67 / 0.42.
 NT_MIN_BYTES = 32 << 20
+# A loop that stores while it computes a transcendental per element is slowed down by
+# streaming on this box, though the same loop with ordinary stores is memory-bound (1 thread,
+# o = f(a), rows of 3072 float32, 48 MiB, NT/plain time): 2x 0.58, x/(x*x+1) 0.61, a degree-8
+# polynomial 0.77, exp 0.85-0.90, exp(x)*poly 0.96, but exp(x)/(x*x+1) 1.30, sigmoid 1.33,
+# tanh 1.58, GELU(tanh) 2.08, log 2.17, exp(exp) 2.56.  Such loops keep ordinary stores.
+# (Softmax's store loop only scales the exp values of its row, computed in an earlier loop.)
+_EXPENSIVE_OPS = frozenset({"exp", "log", "tanh", "erf", "sigmoid", "pow"})
 VECTOR_BYTES = 64          # one AVX-512 register, one cache line: the alignment NT impls need
 _SIZES = {"float32": 4, "float64": 8, "float16": 2, "int16": 2, "int32": 4, "int64": 8,
           "uint16": 2, "uint32": 4, "uint64": 8}
@@ -90,11 +99,24 @@ def _stores(s: L.Stmt, loop, guarded: bool, out: list) -> None:
             _stores(s.else_, loop, True, out)
 
 
+def _expensive(node) -> bool:
+    """True when ``node`` (a Stmt/Expr tree) applies an op in _EXPENSIVE_OPS."""
+    if isinstance(node, (L.Un, L.Bin)) and node.op in _EXPENSIVE_OPS:
+        return True
+    if isinstance(node, (list, tuple)):
+        return any(_expensive(x) for x in node)
+    if isinstance(node, (L.Stmt, L.Expr)):
+        return any(_expensive(getattr(node, f.name)) for f in dataclasses.fields(node)
+                   if isinstance(getattr(node, f.name), (L.Stmt, L.Expr, list, tuple)))
+    return False
+
+
 def _streamable(store: L.Store, loop, guarded: bool) -> bool:
-    """True when every widened store of ``store`` covers whole 64-byte-aligned vectors."""
+    """True when every widened store of ``store`` covers whole 64-byte-aligned vectors and
+    the loop around it computes no transcendental (see _EXPENSIVE_OPS)."""
     from apollo_py.codegen.llvm import _affine
     size = _SIZES.get(store.buf.dtype)
-    if size is None or loop is None or guarded or loop.kind != "vector":
+    if size is None or loop is None or guarded or loop.kind != "vector" or _expensive(loop.body):
         return False
     vec = VECTOR_BYTES // size
     if not (isinstance(loop.lo, L.Const) and isinstance(loop.hi, L.Const)):

@@ -91,6 +91,11 @@ def test_small_or_reread_or_misaligned_outputs_render_no_nt_stores():
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j + 1), 0) == ()         # base + 1
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j * 2), 0) == ()         # stride 2
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j, guard=True), 0) == ()
+    # a loop computing a transcendental per element keeps ordinary stores (measured slower)
+    assert NT.nontemporal_params(K.bias_gelu(BIG_ROWS, COLS), 0) == ()
+    st = Store(o, i * 128 + j, L.Un("exp", x[i * 128 + j]))
+    expo = Kernel("e", (x, o), for_("i", 0, 1 << 15, for_("j", 0, 128, st, "vector"), "parallel"), "i", 1 << 15)
+    assert NT.nontemporal_params(expo, 0) == ()
     # a flat (non-nested) parallel loop is not a vector loop
     flat = Kernel("f", (x, o), for_("i", 0, 1 << 22, Store(o, i, x[i]), "parallel"), "i", 1 << 22)
     assert NT.nontemporal_params(flat, 0) == ()
