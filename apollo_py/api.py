@@ -34,6 +34,8 @@ class CompiledGraph:
         self.program = program
         self.options = options
         self._specs = {s.name: s for s in program.inputs}
+        self._dtypes = {s.name: np.dtype(DTYPES[s.dtype]) if s.dtype in DTYPES else None
+                        for s in program.inputs}
         self._pinned = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         for k in self._pinned:
             if k not in self._specs:
@@ -74,7 +76,8 @@ class CompiledGraph:
                     arr = np.asarray(arr, dtype=DTYPES[spec.dtype])
                 else:
                     raise InputError(f"input {name!r} must be a numpy array, got {type(arr).__name__}")
-            if arr.dtype.name != spec.dtype:
+            want = self._dtypes[name]     # dtype.name costs 3 us, dtype != 0.05 us
+            if (arr.dtype != want) if want is not None else (arr.dtype.name != spec.dtype):
                 raise InputError(f"input {name!r} has dtype {arr.dtype.name}, expected {spec.dtype}")
             want = self._pinned.get(name)
             if want is not None and tuple(arr.shape) != want:

@@ -221,62 +221,31 @@ def run_optimizer(opt: str, args, x, y, w0) -> dict:
 
 
 def profile_cpu_step(w0, x, y, opt: str, threads: int | None, gemm: str = "auto", calls: int = 15) -> list:
-    """Per-step times of one compiled target="cpu" training step, measured from outside.
+    """Per-dispatch times of one compiled target="cpu" training step, on the real call path.
 
-    Replays ``CpuExecutable.run``'s precomputed schedule (``_schedule``, ``_fresh``, the arena's
-    ``output_buffer`` / ``keep_outputs``) with a timer around each item, so it is tied to those
-    runtime internals and raises a clear error when they change.  Returns
-    ``[(median ms, description)]`` in execution order, then ``("sum", ms)`` and ``("call", ms)``
-    (a whole ``TrainStep`` call, parameter copies included)."""
-    from apollo_py.runtime.reference import run_nodes
-    from apollo_py.train.step import scalar_inputs
+    Sets the executable's ``trace`` list (runtime/cpu.py records ``(schedule index, seconds)``
+    per dispatch) and calls the ``TrainStep`` normally.  Returns ``[(median ms, description)]``
+    in execution order, then ``("sum", ms)`` and ``("call", ms)`` (the median of whole
+    ``TrainStep`` calls, parameter updates included)."""
     kw = {"gemm": gemm, **({"num_threads": threads} if threads else {})}
     optimizer = ap.optim.SGD(lr=SGD_LR) if opt == "sgd" else ap.optim.Adam(lr=ADAM_LR, betas=BETAS, eps=EPS)
     step = ap.train_step(mlp_graph(w0, x.shape[0]), optimizer=optimizer, target="cpu", options=ap.Options(**kw))
     step(labels=y, x=x)
     fn = step._compiled_for(y, {"x": x})
     exe = next(iter(fn._cache.values()))
-    if not all(hasattr(exe, a) for a in ("_schedule", "_fresh", "_arenas", "_pool", "constants")):
-        raise SystemExit("--profile: CpuExecutable internals changed; update profile_cpu_step")
-    feeds = fn._bind((), {"x": x, "labels": y, **step.params, **step.state,
-                          **scalar_inputs(step.optimizer, [a.dtype.name for a in step.params.values()], 1)})
+    if not hasattr(exe, "_schedule"):
+        raise SystemExit("--profile: the executable has no dispatch schedule; update profile_cpu_step")
     types = exe.graph.types
     times: list = [[] for _ in exe._schedule]
-
-    def run():
-        env = dict(exe.constants)
-        env.update(feeds)
-        arena = exe._arenas.acquire()
-        try:
-            env.update(arena.views)
-            for i, (kind, item) in enumerate(exe._schedule):
-                t0 = time.perf_counter()
-                if kind == "kernels":
-                    for s in item:
-                        for v in s.outputs:
-                            if v in exe._fresh:
-                                env[v] = arena.output_buffer(v, *exe._fresh[v])
-                    exe._pool.run_many([(s.compiled, [env[v] for v in s.param_values]) for s in item]) \
-                        if len(item) > 1 else exe._pool.run(item[0].compiled, [env[v] for v in item[0].param_values])
-                elif hasattr(item, "execute"):
-                    if getattr(item, "writes_buffers", False):
-                        for v in item.outputs:
-                            if v in exe._fresh:
-                                env[v] = arena.output_buffer(v, *exe._fresh[v])
-                    item.execute(env, exe._pool)
-                else:
-                    local = {v: env[v] for v in item.inputs}
-                    run_nodes(item.nodes, local, types)
-                    env.update({v: np.array(local[v], order="C") if not local[v].flags.c_contiguous else local[v]
-                                for v in item.outputs})
-                times[i].append(time.perf_counter() - t0)
-            arena.keep_outputs({v: env[v] for v in exe.graph.outputs if v in exe._fresh})
-            env.clear()
-        finally:
-            exe._arenas.release(arena)
-
+    call = []
     for _ in range(calls):
-        run()
+        exe.trace = []
+        t0 = time.perf_counter()
+        step(labels=y, x=x)
+        call.append(time.perf_counter() - t0)
+        for k, dt in exe.trace:
+            times[k].append(dt)
+    exe.trace = None
     rows = []
     for (kind, item), ts in zip(exe._schedule, times):
         parts = []
@@ -291,12 +260,7 @@ def profile_cpu_step(w0, x, y, opt: str, threads: int | None, gemm: str = "auto"
                 what = "numpy " + " ".join(n.op for n in s.nodes)
             parts.append(what + " -> " + ", ".join("x".join(map(str, types[v].shape)) or "scalar" for v in s.outputs))
         rows.append((statistics.median(ts[2:]) * 1e3, " | ".join(parts)))
-    call = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        step(labels=y, x=x)
-        call.append(time.perf_counter() - t0)
-    return rows + [("sum", sum(r[0] for r in rows)), ("call", statistics.median(call) * 1e3)]
+    return rows + [("sum", sum(r[0] for r in rows)), ("call", statistics.median(call[2:]) * 1e3)]
 
 
 def profile_text(rows, title: str) -> str:

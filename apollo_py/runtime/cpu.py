@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -50,6 +51,8 @@ INLINE_BYTES = 64 * 1024
 #: overhead-bound; four_branches' 4 x 1 MiB group, busy 2-core box: 128 KiB chunks 0.47 ms,
 #: 1 MiB 0.41 ms; softmax [768,128,128] the same for 64 KiB .. 4 MiB)
 CHUNK_BYTES = 1024 * 1024
+#: a kernel right after a BLAS call moving fewer bytes than this runs inline (see _dispatch_schedule)
+AFTER_BLAS_INLINE_BYTES = 4 * 1024 * 1024
 
 _POOLS: dict[int, object] = {}
 _POOL_LOCK = threading.Lock()
@@ -146,6 +149,12 @@ class CpuExecutable:
             out.append(("step", s))
         if group:
             flush()
+        # OpenBLAS's worker threads spin for a while after each call and hold a core: a
+        # mid-sized kernel right after a BLAS call runs faster on the calling thread alone
+        # (MLP training step, 2 cores: relu epilogue 0.19-0.23 ms on the pool, 0.14 ms inline)
+        self._inline = {id(item[0]) for prev, (kind, item) in zip(out, out[1:])
+                        if kind == "kernels" and len(item) == 1 and _calls_blas(prev)
+                        and _bytes(item[0]) < AFTER_BLAS_INLINE_BYTES}
         return out
 
     supports_out = True
@@ -160,6 +169,9 @@ class CpuExecutable:
             why = self._inplace[key] = inplace_reason(self, output, source)
         return why
 
+    #: set to a list to record ``(schedule index, seconds)`` per dispatch of every call (profiling)
+    trace: list | None = None
+
     def run(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Graph outputs for ``feeds``; ``out`` (output name -> array, already validated by the
         caller) receives them in place: kernels write into it directly, other steps' results
@@ -167,49 +179,15 @@ class CpuExecutable:
         out = out or {}
         env: dict[str, np.ndarray] = dict(self.constants)
         env.update(feeds)
-        types = self.graph.types
-        pool = self._pool
         arena = self._arenas.acquire()
         try:
             env.update(arena.views)     # every arena value, written before it is read
-            fresh = self._fresh
-            def bind_outputs(s):
-                for v in s.outputs:
-                    if v in out and v in fresh:
-                        env[v] = out[v]
-                    elif v in fresh:
-                        env[v] = arena.output_buffer(v, *fresh[v])
-
-            for kind, item in self._schedule:
-                if kind == "kernels":
-                    for s in item:
-                        bind_outputs(s)
-                    if len(item) == 1:
-                        s = item[0]
-                        args = [env[v] for v in s.param_values]
-                        parts = _parts(s)
-                        if parts <= 1:
-                            s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
-                        else:
-                            ext = s.compiled.parallel_extent
-                            pool.run(s.compiled, args, min_chunk=-(-ext // parts))
-                    else:
-                        pool.run_many([(s.compiled, [env[v] for v in s.param_values], _parts(s)) for s in item])
-                    continue
-                s = item
-                if hasattr(s, "execute"):     # a generated GEMM (gemm_step.py) or a BLAS call (blas.py)
-                    if _writes_buffers(s):
-                        bind_outputs(s)
-                    s.execute(env, pool)
-                else:
-                    local = {v: env[v] for v in s.inputs}
-                    run_nodes(s.nodes, local, types)
-                    for v in s.outputs:
-                        a = local[v]
-                        # a numpy view (reshape) of an arena buffer must not outlive its slot
-                        if not a.flags.c_contiguous or np.may_share_memory(a, arena.block):
-                            a = np.array(a, order="C")
-                        env[v] = a
+            trace = self.trace
+            for k, (kind, item) in enumerate(self._schedule):
+                t0 = time.perf_counter() if trace is not None else 0.0
+                self._dispatch(kind, item, env, out, arena)
+                if trace is not None:
+                    trace.append((k, time.perf_counter() - t0))
             result = []
             for v, copy in zip(self.graph.outputs, self._copy_out):
                 a = env[v]
@@ -221,10 +199,52 @@ class CpuExecutable:
                     a = a.copy()
                 result.append(a)
             arena.keep_outputs({v: a for v, a in zip(self.graph.outputs, result)
-                                if v in fresh and v not in out and a is env[v]}, merge=bool(out))
+                                if v in self._fresh and v not in out and a is env[v]}, merge=bool(out))
             return result
         finally:
             self._arenas.release(arena)
+
+    def _bind_outputs(self, s, env, out, arena) -> None:
+        fresh = self._fresh
+        for v in s.outputs:
+            if v in out and v in fresh:
+                env[v] = out[v]
+            elif v in fresh:
+                env[v] = arena.output_buffer(v, *fresh[v])
+
+    def _dispatch(self, kind: str, item, env: dict, out: Mapping, arena) -> None:
+        """Run one schedule entry: a group of kernels (inline, chunked on the pool, or several
+        at once), a generated GEMM or BLAS call, or a numpy reference step."""
+        pool = self._pool
+        if kind == "kernels":
+            for s in item:
+                self._bind_outputs(s, env, out, arena)
+            if len(item) == 1:
+                s = item[0]
+                args = [env[v] for v in s.param_values]
+                parts = 1 if id(s) in self._inline else _parts(s)
+                if parts <= 1:
+                    s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
+                else:
+                    ext = s.compiled.parallel_extent
+                    pool.run(s.compiled, args, min_chunk=-(-ext // parts))
+            else:
+                pool.run_many([(s.compiled, [env[v] for v in s.param_values], _parts(s)) for s in item])
+            return
+        s = item
+        if hasattr(s, "execute"):     # a generated GEMM (gemm_step.py) or a BLAS call (blas.py)
+            if _writes_buffers(s):
+                self._bind_outputs(s, env, out, arena)
+            s.execute(env, pool)
+            return
+        local = {v: env[v] for v in s.inputs}
+        run_nodes(s.nodes, local, self.graph.types)
+        for v in s.outputs:
+            a = local[v]
+            # a numpy view (reshape) of an arena buffer must not outlive its slot
+            if not a.flags.c_contiguous or np.may_share_memory(a, arena.block):
+                a = np.array(a, order="C")
+            env[v] = a
 
 
 def _writes_buffers(step) -> bool:
@@ -268,6 +288,16 @@ def _layer3_groups(run: list, machine, options=None) -> list:
                 pass
     groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine, on_reject=on_reject)
     return [[k.step for k in g] for g in groups]
+
+
+def _calls_blas(entry) -> bool:
+    """True for a schedule entry that calls the BLAS numpy links (a folded BLAS call or a
+    numpy matmul/conv step)."""
+    kind, item = entry
+    if kind != "step":
+        return False
+    return getattr(item, "desc", None) is not None and hasattr(item.desc, "acc") or \
+        any(n.op in ("matmul", "conv") for n in getattr(item, "nodes", ()) if not hasattr(item, "execute"))
 
 
 def _bytes(step) -> int:
