@@ -177,3 +177,18 @@ def test_reference_target_run_updating_copies():
     outs = f.run_updating({f.output_names[0]: "w"}, w=w, x=x, g=g, v=v)
     assert outs[0] is w
     np.testing.assert_allclose(w, w0 - 0.1 * (x.T.astype(np.float64) @ g), rtol=RTOL, atol=ATOL)
+
+
+def test_kernel_after_a_blas_call_runs_inline():
+    """OpenBLAS's threads spin after a call: the epilogue right after it runs on the caller."""
+    b = ap.GraphBuilder("mm_relu")
+    x, w, bias = b.input("x", (256, 128)), b.input("w", (128, 512)), b.input("bias", (512,))
+    f = ap.jit(b.build([b.relu(b.add(b.matmul(x, w), bias))]), target="cpu")
+    rng = np.random.default_rng(10)
+    xv, wv, bv = _rand(rng, 256, 128), _rand(rng, 128, 512), _rand(rng, 512)
+    np.testing.assert_allclose(f(xv, wv, bv), np.maximum(xv.astype(np.float64) @ wv + bv, 0), rtol=RTOL, atol=ATOL)
+    exe = f.specialization({"x": (256, 128), "w": (128, 512), "bias": (512,)})
+    kinds = [kind for kind, _ in exe._schedule]
+    assert kinds == ["step", "kernels"]
+    epilogue = exe._schedule[1][1][0]
+    assert id(epilogue) in exe._inline
