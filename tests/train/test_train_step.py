@@ -235,3 +235,29 @@ def test_onnx_path_goes_through_the_front_end_loader(tmp_path):
         ap.train_step(evil)
     with pytest.raises(ModelLoadError, match="not a valid ONNX model"):
         ap.train_step(b"\x00garbage")
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+def test_params_and_state_are_updated_in_place(target):
+    """The arrays in step.params / step.state stay the same objects across steps (written in
+    place on cpu where runtime/inplace.py allows, copied in otherwise) and hold Adam's values."""
+    w0 = mlp_weights((12, 16, 4))
+    step = ap.train_step(mlp_graph(w0, 8), optimizer=ap.optim.Adam(lr=1e-2), target=target)
+    ref = NumpyAdam(1e-2, (0.9, 0.999), 1e-8)
+    params = {k: v.copy() for k, v in w0.items()}
+    rng = np.random.default_rng(3)
+    before = {k: id(v) for k, v in {**step.params, **step.state}.items()}
+    for _ in range(3):
+        x = rng.standard_normal((8, 12)).astype(np.float32)
+        y = rng.integers(0, 4, 8)
+        loss = step(labels=y, x=x)
+        want, grads = mlp_loss_and_grads(params, x, y)
+        ref.step(params, grads)
+        np.testing.assert_allclose(loss, want, rtol=1e-4)
+    assert {k: id(v) for k, v in {**step.params, **step.state}.items()} == before
+    for k in params:
+        np.testing.assert_allclose(step.params[k], params[k], rtol=1e-4, atol=1e-6)
+    if target == "cpu":
+        fn = next(iter(step._compiled.values()))
+        exe = next(iter(fn._cache.values()))
+        assert all(exe.inplace_reason(o, i) == "" for o, i in step._updates(fn).items())
