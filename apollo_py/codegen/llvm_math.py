@@ -10,7 +10,8 @@ Algorithms (max relative error vs numpy in float32 is checked by tests/codegen):
 * exp: Cephes ``expf`` -- n = rint(x log2 e), Cody-Waite reduction r = x - n ln2 (two
   constants), degree-6 polynomial, scale by 2^n as two factors 2^(n>>1) 2^(n-(n>>1)) so
   results that overflow become inf and results in the subnormal range round once.  Input
-  clamped to [-104, 88.8]; NaN propagates.
+  clamped to [-104, 88.8]; NaN propagates.  On AVX-512 (``scalef``): n = lrint(x log2 e) as
+  an i32 (vcvtps2dq) and the result is ldexp(y, n) (vscalefps), no NaN select.
 * log: Cephes ``logf`` -- frexp by bit manipulation (subnormals pre-scaled by 2^23),
   mantissa folded to [sqrt(1/2), sqrt(2)), degree-8 polynomial; log(0) = -inf,
   log(x < 0) = nan, log(inf) = inf.
@@ -78,12 +79,16 @@ class _Fn:
         return self.op(f"fcmp {pred} float {a}, {b}")
 
 
-def _reduce_exp(fn: _Fn, x: str) -> tuple[str, str]:
+def _reduce_exp(fn: _Fn, x: str, ni: str = "") -> tuple[str, str]:
     """Cephes' reduction of a clamped ``x``: ``(n, expm1(r))`` with ``x = n ln2 + r`` (two-part
-    ln2), ``n = rint(x / ln2)`` (0 for NaN) and ``expm1(r) = r + r^2 P(r)``."""
-    t = fn.f("fmul", x, fconst(1.44269504088896341))
-    n = fn.op(f"call float @llvm.rint.f32(float {t})")
-    n = fn.sel(fn.cmp("uno", x, x), fconst(0.0), n)
+    ln2), ``n = rint(x / ln2)`` (0 for NaN) and ``expm1(r) = r + r^2 P(r)``.  With ``ni`` (an
+    i32 holding ``lrint(x / ln2)``, see :func:`_exp`) ``n`` is ``sitofp(ni)`` instead."""
+    if ni:
+        n = fn.op(f"sitofp i32 {ni} to float")
+    else:
+        t = fn.f("fmul", x, fconst(1.44269504088896341))
+        n = fn.op(f"call float @llvm.rint.f32(float {t})")
+        n = fn.sel(fn.cmp("uno", x, x), fconst(0.0), n)
     r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(-0.693359375)}, float {x})")
     r = fn.op(f"call float @llvm.fma.f32(float {n}, float {fconst(2.12194440e-4)}, float {r})")
     p = fn.poly(r, [1.9875691500E-4, 1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2,
@@ -97,11 +102,20 @@ def _exp(fn: _Fn, x: str) -> str:
     x1 = fn.sel(lo, fconst(-104.0), x)
     hi = fn.cmp("ogt", x1, fconst(88.8))
     x2 = fn.sel(hi, fconst(88.8), x1)
+    if fn.scalef:
+        # one vscalefps: overflow to inf and one rounding into subnormals, as below.  n comes
+        # from llvm.lrint (one vcvtps2dq) and its sitofp is the one the backend puts in front
+        # of vscalefps anyway (CSE'd): rint + NaN select + fptosi + sitofp cost 4 vector ops,
+        # this 2.  lrint(NaN) is an unspecified i32, not poison (LangRef), and r, hence the
+        # result, is NaN for a NaN x whatever n is.
+        t = fn.f("fmul", x2, fconst(1.44269504088896341))
+        ni = fn.op(f"call i32 @llvm.lrint.i32.f32(float {t})")
+        n, em_r = _reduce_exp(fn, x2, ni)
+        y = fn.f("fadd", em_r, fconst(1.0))
+        return fn.op(f"call float @llvm.ldexp.f32.i32(float {y}, i32 {ni})")
     n, em_r = _reduce_exp(fn, x2)
     y = fn.f("fadd", em_r, fconst(1.0))
     ni = fn.op(f"fptosi float {n} to i32")
-    if fn.scalef:   # one vscalefps: overflow to inf and one rounding into subnormals, as below
-        return fn.op(f"call float @llvm.ldexp.f32.i32(float {y}, i32 {ni})")
     n1 = fn.op(f"ashr i32 {ni}, 1")
     n2 = fn.op(f"sub i32 {ni}, {n1}")
     scales = []
@@ -243,6 +257,7 @@ INTRINSIC_DECLS = (
     "declare float @llvm.floor.f32(float)",
     "declare float @llvm.copysign.f32(float, float)",
     "declare float @llvm.ldexp.f32.i32(float, i32)",
+    "declare i32 @llvm.lrint.i32.f32(float)",
 )
 
 

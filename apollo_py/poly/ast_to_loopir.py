@@ -494,9 +494,8 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
     partial accumulators, so that LLVM vectorises them without ``reassoc``.
 
     Lane ``l`` folds the iterations ``lo + l, lo + l + lanes, ...`` of the full blocks in order,
-    the tail iterations go to lanes ``0..``, then the lanes are folded left to right into the
-    scalar (the order of ``codegen.templates.lane_reduce``; max/min lanes fold as a tree,
-    which gives the same value: :func:`_fold_lanes`).  A fold straight into a buffer
+    the tail iterations go to lanes ``0..``, then the lanes fold into the scalar as a halving
+    tree (:func:`_fold_lanes`; ``codegen.templates.lane_reduce`` folds left to right).  A fold straight into a buffer
     element (``buf[i] = buf[i] op e``, ``i`` fixed in the loop) is first moved into a scalar
     accumulator (:func:`_promote_store_reductions`), so it gets the same lanes.  A perfect
     two-loop fold ``for j: for l: s = s op e(j, l)`` whose inner extent ``W`` is a multiple of
@@ -636,7 +635,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
             stmts.append(L.For(tail, L.Const(base), L.Const(hi),
                                lane_body(tail, tail - base), "serial"))
         for name, (op, dt) in reds.items():
-            stmts.extend(_fold_lanes(name, op, dt, bufs[name], lane, lanes, "unroll"))
+            stmts.extend(_fold_lanes(name, op, dt, bufs[name], lane, lanes, "unroll", tree=True))
         return L.Block(tuple(stmts))
 
     return visit(stmt), allocs
@@ -656,15 +655,17 @@ def _order_free_lanes(reds: dict, lanes: int, extent: int, widen: int = 4) -> in
     return n
 
 
-def _fold_lanes(name: str, op: str, dt: str, a: L.Alloc, lane: L.Var, width: int, kind: str) -> list:
+def _fold_lanes(name: str, op: str, dt: str, a: L.Alloc, lane: L.Var, width: int, kind: str,
+                tree: bool = False) -> list:
     """Fold the ``width`` lanes of ``a`` into the scalar ``name``.
 
-    Sums and products fold left to right, ``((a0 op a1) op a2) ...`` (the documented order).
-    max and min are associative and commutative (NaN-propagating, -0 < +0 as llvm.maximum),
-    so they fold as a halving tree, ``a[l] = op(a[l], a[l + h])`` for h = width/2, ... 1,
-    which gives the same value in log2(width) vector steps when ``width`` is a power of two.
+    When ``width`` is a power of two, max and min (associative and commutative: NaN-
+    propagating, -0 < +0 as llvm.maximum), and with ``tree`` also sums and products, fold as a
+    halving tree, ``a[l] = op(a[l], a[l + h])`` for h = width/2, ... 1: log2(width) vector
+    steps (a 16-lane float sum in order was 15 dependent scalar adds and 15 shuffles, a serial
+    chain at the end of every softmax row).  Otherwise left to right, ``((a0 op a1) op a2)``.
     """
-    if op in ("max", "min") and width & (width - 1) == 0 and width > 1:
+    if (tree or op in ("max", "min")) and width & (width - 1) == 0 and width > 1:
         out = []
         h = width // 2
         while h >= 1:

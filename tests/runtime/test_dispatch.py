@@ -40,7 +40,7 @@ def test_independent_kernels_share_one_dispatch(threads):
 
 def test_fold_into_output_matches_sequential_lanes():
     # the sum folds straight into the output buffer; it gets 16 lane partial sums, in the
-    # order of poly.ast_to_loopir.lane_reductions: lane l takes columns l, l+16, ...
+    # order of poly.ast_to_loopir.lane_reductions: lane l takes columns l, l+16, ..., tail to 0..
     g = _branches(rows=8, cols=1000)
     feeds = _feeds(rows=8, cols=1000, seed=1)
     got = ap.jit(g, target="cpu").run(**feeds)
@@ -51,10 +51,11 @@ def test_fold_into_output_matches_sequential_lanes():
         lanes += sq[:, k:k + 16]
     for t in range(full, 1000):
         lanes[:, t - full] += sq[:, t]
-    want = lanes[:, 0].copy()
-    for l in range(1, 16):
-        want = want + lanes[:, l]
-    np.testing.assert_array_equal(got[4][:, 0], want)
+    h = 8                              # then the lanes fold as a halving tree
+    while h >= 1:
+        lanes[:, :h] = lanes[:, :h] + lanes[:, h:2 * h]
+        h //= 2
+    np.testing.assert_array_equal(got[4][:, 0], lanes[:, 0])
 
 
 def test_output_array_reused_only_when_dropped():
