@@ -369,6 +369,9 @@ class LLVMPrinter(Printer):
 
     def expr_Un(self, e: L.Un, index: bool) -> str:
         a = self.expr(e.a, index)
+        if e.op == "exp" and e.upper is not None and e.upper <= 0.0 and e.a.dtype == "float32":
+            self.helpers.add("expf_nonpos")   # range fact (poly/range_facts.py): no upper clamp
+            return self.emit(f"call float @ap.expf_nonpos(float {a})")
         return self.emit(self.apply(self.lookup(self.unary_ops, e.op, e.a.dtype), e.a.dtype, a))
 
     def expr_Select(self, e: L.Select, index: bool) -> str:

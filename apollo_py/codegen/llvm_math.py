@@ -97,11 +97,10 @@ def _reduce_exp(fn: _Fn, x: str, ni: str = "") -> tuple[str, str]:
     return n, fn.op(f"call float @llvm.fma.f32(float {p}, float {z}, float {r})")
 
 
-def _exp(fn: _Fn, x: str) -> str:
+def _exp(fn: _Fn, x: str, upper_clamp: bool = True) -> str:
     lo = fn.cmp("olt", x, fconst(-104.0))
     x1 = fn.sel(lo, fconst(-104.0), x)
-    hi = fn.cmp("ogt", x1, fconst(88.8))
-    x2 = fn.sel(hi, fconst(88.8), x1)
+    x2 = fn.sel(fn.cmp("ogt", x1, fconst(88.8)), fconst(88.8), x1) if upper_clamp else x1
     if fn.scalef:
         # one vscalefps: overflow to inf and one rounding into subnormals, as below.  n comes
         # from llvm.lrint (one vcvtps2dq) and its sitofp is the one the backend puts in front
@@ -125,6 +124,11 @@ def _exp(fn: _Fn, x: str) -> str:
         scales.append(fn.op(f"bitcast i32 {b} to float"))
     y = fn.f("fmul", y, scales[0])
     return fn.f("fmul", y, scales[1])
+
+
+def _exp_nonpos(fn: _Fn, x: str) -> str:
+    """exp of an argument known to be <= 88.7 or NaN (softmax's ``x - max(x)``): no upper clamp."""
+    return _exp(fn, x, upper_clamp=False)
 
 
 def _log(fn: _Fn, x: str) -> str:
@@ -243,7 +247,7 @@ def _pow(fn: _Fn, a: str, b: str) -> str:
     return fn.sel(fn.cmp("oeq", a, fconst(1.0)), fconst(1.0), res)
 
 
-_BUILDERS = {"expf": (_exp, 1), "logf": (_log, 1), "tanhf": (_tanh, 1), "erff": (_erf, 1),
+_BUILDERS = {"expf": (_exp, 1), "expf_nonpos": (_exp_nonpos, 1), "logf": (_log, 1), "tanhf": (_tanh, 1), "erff": (_erf, 1),
              "sigmoidf": (_sigmoid, 1), "powf": (_pow, 2)}
 #: functions each helper calls, so a module includes them too
 DEPENDS = {"erff": ("expf",), "sigmoidf": ("expf",),
@@ -276,7 +280,7 @@ def helper_names(used) -> list:
 def render_helpers(used, scalef: bool = False) -> str:
     """Return LLVM IR text defining ``@ap.<name>`` for each helper in ``used`` (+ deps).
 
-    Expects names from ``expf logf tanhf erff sigmoidf powf``; the module must also contain
+    Expects names from ``expf expf_nonpos logf tanhf erff sigmoidf powf``; the module must also contain
     the declarations in :data:`INTRINSIC_DECLS` (once).  ``scalef`` (set for AVX-512 hosts,
     where LLVM vectorises ``llvm.ldexp`` to one ``vscalefps``) scales exp's result by 2^n
     with ``llvm.ldexp`` instead of integer exponent arithmetic (same results: ldexp rounds

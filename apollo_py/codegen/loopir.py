@@ -174,12 +174,19 @@ class Bin(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Un(Expr):
-    """A unary op (math functions need float operands; ``not`` needs bool or int)."""
+    """A unary op (math functions need float operands; ``not`` needs bool or int).
+
+    ``upper`` is a range fact proved by the producer (poly/range_facts.py): the operand is
+    ``<= upper`` or NaN, up to rounding.  Renderers may use it to drop range checks (LLVM:
+    ``exp`` without its upper clamp); semantics do not change, so others ignore it."""
 
     op: str
     a: Expr
+    upper: Optional[float] = None
 
     def __post_init__(self):
+        if self.upper is not None and not is_float(self.a.dtype):
+            raise CompileError(f"unary op {self.op!r}: a range fact needs a float operand")
         if self.op not in UNARY_OPS:
             raise CompileError(f"unknown unary op {self.op!r}")
         if self.op in FLOAT_ONLY_UNARY and not is_float(self.a.dtype):
@@ -495,7 +502,8 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Bin):
         return f"{e.op}({format_expr(e.a)}, {format_expr(e.b)})"
     if isinstance(e, Un):
-        return f"{e.op}({format_expr(e.a)})"
+        fact = "" if e.upper is None else f", <={float(e.upper)!r}"
+        return f"{e.op}({format_expr(e.a)}{fact})"
     if isinstance(e, Select):
         return f"select({format_expr(e.cond)}, {format_expr(e.a)}, {format_expr(e.b)})"
     if isinstance(e, Cast):

@@ -21,6 +21,7 @@ import islpy as isl
 import numpy as np
 
 from ..codegen import loopir as L
+from .range_facts import mark_shifted_exp
 from ..errors import CompileError
 from .statements import COMPUTE, INIT, UPDATE, PolyProgram, Statement
 from .storage import PARAM, SCALAR, TILE, Storage
@@ -429,7 +430,7 @@ def to_loop_ir(prog: PolyProgram, schedule: isl.Schedule, storage: Mapping[str, 
     build = isl.AstBuild.from_context(prog.context)
     ast = build.node_from_schedule(schedule)
     em = Emitter(prog, storage, consts, param_order)
-    body = em.node(ast)
+    body = mark_shifted_exp(em.node(ast))
     lane_allocs = []
     if lanes > 1:
         body, lane_allocs = lane_reductions(body, {l.name for l in em.locals_.values()}, lanes)
@@ -451,7 +452,7 @@ def subst(node, name: str, rep: L.Expr):
     if isinstance(node, L.Bin):
         return L.Bin(node.op, subst(node.a, name, rep), subst(node.b, name, rep))
     if isinstance(node, L.Un):
-        return L.Un(node.op, subst(node.a, name, rep))
+        return L.Un(node.op, subst(node.a, name, rep), node.upper)
     if isinstance(node, L.Select):
         return L.Select(subst(node.cond, name, rep), subst(node.a, name, rep), subst(node.b, name, rep))
     if isinstance(node, L.Cast):

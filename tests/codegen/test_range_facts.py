@@ -1,0 +1,114 @@
+"""poly/range_facts.py: exp(E - max(E)) gets the range fact upper=0 only when it is proved, and
+the LLVM exp without an upper clamp it selects stays numpy-exact on the arguments it gets."""
+import numpy as np
+import pytest
+
+from apollo_py.codegen import loopir as L
+from apollo_py.codegen.llvm import compile_llvm, render_llvm
+from apollo_py.poly.range_facts import mark_shifted_exp
+
+N = 64
+X = L.Param("x", "float32", N)
+Y = L.Param("y", "float32", N)
+T = L.Alloc("t", "float32", N)
+I, J = L.Var("i"), L.Var("j")
+M = L.Var("m", "float32")
+D = L.Var("d", "float32")
+
+
+def _fold(lo=0, hi=N, op="max", buf=X):
+    return L.For(I, lo, hi, L.Assign("m", L.Bin(op, M, buf[I])))
+
+
+def _use(lo=0, hi=N, buf=X, via="scalar", a=None, b=None):
+    a = buf[J] if a is None else a
+    b = M if b is None else b
+    diff = L.Bin("sub", a, b)
+    if via == "scalar":
+        body = (L.Assign("d", diff), L.Store(Y, J, L.Un("exp", D)))
+    elif via == "buffer":
+        body = (L.Store(T, J, diff), L.Store(Y, J, L.Un("exp", T[J])))
+    else:
+        body = (L.Store(Y, J, L.Un("exp", diff)),)
+    return L.For(J, lo, hi, L.Block(body))
+
+
+def _exps(node) -> list:
+    out = []
+
+    def walk(x):
+        if isinstance(x, L.Un) and x.op == "exp":
+            out.append(x.upper)
+        if isinstance(x, (L.Block,)):
+            for s in x.stmts:
+                walk(s)
+        elif isinstance(x, L.For):
+            walk(x.body)
+        elif isinstance(x, (L.Assign, L.Store, L.Local)):
+            walk(getattr(x, "value", getattr(x, "init", None)))
+        elif isinstance(x, L.Expr):
+            for f in ("a", "b", "cond", "index"):
+                if isinstance(getattr(x, f, None), L.Expr):
+                    walk(getattr(x, f))
+    walk(node)
+    return out
+
+
+def _block(*stmts):
+    return L.Block((T, L.Local("m", "float32", L.Const(float("-inf"), "float32")),
+                    L.Local("d", "float32", L.Const(0.0, "float32")), *stmts))
+
+
+@pytest.mark.parametrize("via", ["scalar", "buffer", "direct"])
+def test_softmax_shape_is_marked(via):
+    out = mark_shifted_exp(_block(_fold(), _use(via=via)))
+    assert _exps(out) == [0.0]
+    assert "<=0.0" in L.format_node(out)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _block(_fold(op="min"), _use()),                          # a min, not a max
+    lambda: _block(_fold(), _use(b=L.Const(1.0, "float32"))),         # not the max
+    lambda: _block(_fold(), _use(a=M, b=X[J])),                       # m - x >= 0
+    lambda: _block(_fold(buf=Y), _use()),                             # max of another buffer
+    lambda: _block(_fold(lo=8), _use()),                              # j outside the fold
+    lambda: _block(_fold(hi=N - 1), _use()),
+    lambda: _block(_fold(), L.Store(X, L.Const(3), L.Const(5.0, "float32")), _use()),  # x changed
+    lambda: _block(_fold(), L.Assign("m", L.Const(0.0, "float32")), _use()),          # m changed
+    lambda: _block(_use(), _fold()),                                  # use before the fold
+    lambda: _block(_fold(), L.For(J, 0, N, L.Block((L.Store(X, J, L.Const(1.0, "float32")),
+                                                    L.Store(Y, J, L.Un("exp", L.Bin("sub", X[J], M))))))),
+])
+def test_unproved_shapes_are_not_marked(make):
+    assert _exps(mark_shifted_exp(make())) == [None]
+
+
+def test_marked_kernel_matches_numpy(rng):
+    """The kernel with the fact (exp without its upper clamp) against numpy, special values in
+    x included (NaN row, inf, -inf, huge)."""
+    body = mark_shifted_exp(_block(_fold(), _use(via="scalar")))
+    assert _exps(body) == [0.0]
+    k = L.Kernel("shifted_exp", (X, Y), body)
+    text = render_llvm(k)
+    assert "@ap.expf_nonpos" in text and "@ap.expf(" not in text
+    ck = compile_llvm(k)
+    cases = [rng.standard_normal(N).astype(np.float32) * 30,
+             np.full(N, -1e30, np.float32), np.linspace(-300, 0, N).astype(np.float32)]
+    for special in (np.nan, np.inf, -np.inf, 3e38):
+        c = rng.standard_normal(N).astype(np.float32)
+        c[5] = special
+        cases.append(c)
+    for x in cases:
+        y = np.empty_like(x)
+        ck([x, y])
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = x - np.max(x)                 # float32, as the kernel rounds it
+            want = np.exp(d.astype(np.float64)).astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+        fin = ~np.isnan(want)
+        np.testing.assert_allclose(y[fin], want[fin], rtol=1e-6, atol=1e-44)
+
+
+def test_fact_needs_a_float_operand():
+    with pytest.raises(Exception):
+        L.Un("neg", L.Var("i"), 0.0)
