@@ -296,8 +296,10 @@ def _calls_blas(entry) -> bool:
     kind, item = entry
     if kind != "step":
         return False
-    return getattr(item, "desc", None) is not None and hasattr(item.desc, "acc") or \
-        any(n.op in ("matmul", "conv") for n in getattr(item, "nodes", ()) if not hasattr(item, "execute"))
+    from .blas import BlasStep
+    if isinstance(item, BlasStep):
+        return True
+    return isinstance(item, ReferenceStep) and any(n.op in ("matmul", "conv") for n in item.nodes)
 
 
 def _bytes(step) -> int:
