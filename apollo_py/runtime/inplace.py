@@ -18,6 +18,7 @@ update ``W += alpha * A @ B``, the copy of ``W`` into a fresh output first).  It
 from __future__ import annotations
 
 from ..ops.classify import BROADCAST, ELEMENTWISE, classify
+from .blas import BlasStep
 
 
 def _writer_kernel_ok(step, output: str, source: str, types) -> str:
@@ -66,8 +67,8 @@ def inplace_reason(exe, output: str, source: str) -> str:
         for s in (item if kind == "kernels" else [item]):
             if s is not writer and source in s.inputs and k >= writer_at:
                 return f"{source!r} is read after (or alongside) the step writing {output!r}"
-    desc = getattr(writer, "desc", None)
-    if desc is not None and hasattr(desc, "acc"):
+    if isinstance(writer, BlasStep):
+        desc = writer.desc
         if desc.acc != source or source in (desc.a, desc.b):
             return f"the BLAS step writing {output!r} reads {source!r} as an operand"
         return ""
