@@ -372,6 +372,10 @@ class LLVMPrinter(Printer):
         if e.op == "exp" and e.upper is not None and e.upper <= 0.0 and e.a.dtype == "float32":
             self.helpers.add("expf_nonpos")   # range fact (poly/range_facts.py): no upper clamp
             return self.emit(f"call float @ap.expf_nonpos(float {a})")
+        if e.op == "log" and e.a.dtype == "float32" and e.lower is not None and e.lower >= 1e-37 \
+                and e.upper is not None and e.upper <= 1e37:
+            self.helpers.add("logf_normal")   # range fact: a positive normal argument (or NaN)
+            return self.emit(f"call float @ap.logf_normal(float {a})")
         return self.emit(self.apply(self.lookup(self.unary_ops, e.op, e.a.dtype), e.a.dtype, a))
 
     def expr_Select(self, e: L.Select, index: bool) -> str:
@@ -475,15 +479,22 @@ class LLVMPrinter(Printer):
             self.br(f"label %{n}.end")
         self.label(f"{n}.end")
 
-    def loop_metadata(self, kind: str) -> str:
+    def loop_metadata(self, kind: str, trip: int = 0) -> str:
         """Return the ``!llvm.loop`` suffix of a latch branch for a loop of ``kind``.
 
         vector loops are kept from being fully unrolled before the loop vectoriser runs:
         otherwise a 16-lane accumulator loop was unrolled first and the SLP vectoriser turned
         each lane's chain into gathers (softmax [98304,128] 9.2 ms -> 7.1 ms without them).
+        A vector loop of a constant ``trip`` count in 32..128, a multiple of 16, is interleaved
+        ``trip / 16`` times instead: with 16 lanes it runs as straight-line vector code (a row
+        loop such as softmax's 128-wide normalisation: 8 iterations of load, op, store, counter,
+        compare and branch before, and the row's temporaries now stay in registers; A/B on the
+        2-core box, softmax and logsoftmax [768,128,128]: 0.89-0.90x the time).
         """
         if kind == "vector":
             props = ['!{!"llvm.loop.vectorize.enable", i1 true}', '!{!"llvm.loop.unroll.disable"}']
+            if 32 <= trip <= 128 and trip % 16 == 0:
+                props.append(f'!{{!"llvm.loop.interleave.count", i32 {trip // 16}}}')
         elif kind == "unroll":
             props = ['!{!"llvm.loop.unroll.full"}']
         else:
@@ -524,7 +535,8 @@ class LLVMPrinter(Printer):
         iv2 = self.emit(f"load {t}, ptr {slot}")
         nxt = self.emit(f"add nsw {t} {iv2}, 1")
         self.lines.append(f"  store {t} {nxt}, ptr {slot}")
-        self.lines.append(f"  br label %{n}.cond{self.loop_metadata(s.kind)}")
+        trip = s.hi.value - s.lo.value if isinstance(s.lo, L.Const) and isinstance(s.hi, L.Const) else 0
+        self.lines.append(f"  br label %{n}.cond{self.loop_metadata(s.kind, trip)}")
         self.label(f"{n}.end")
         self.scope = saved
 

@@ -134,11 +134,14 @@ def _exp_nonpos(fn: _Fn, x: str) -> str:
     return _exp(fn, x, upper_clamp=False)
 
 
-def _log(fn: _Fn, x: str) -> str:
-    den = fn.cmp("olt", x, fconst(1.17549435e-38))
-    xs = fn.f("fmul", x, fconst(8388608.0))
-    xa = fn.sel(den, xs, x)
-    ea = fn.sel(den, "-23", "0", "i32")
+def _log(fn: _Fn, x: str, specials: bool = True) -> str:
+    if specials:
+        den = fn.cmp("olt", x, fconst(1.17549435e-38))
+        xs = fn.f("fmul", x, fconst(8388608.0))
+        xa = fn.sel(den, xs, x)
+        ea = fn.sel(den, "-23", "0", "i32")
+    else:
+        xa, ea = x, "0"
     bits = fn.op(f"bitcast float {xa} to i32")
     ex = fn.op(f"lshr i32 {bits}, 23")
     ex = fn.op(f"and i32 {ex}, 255")
@@ -164,10 +167,18 @@ def _log(fn: _Fn, x: str) -> str:
     y = fn.op(f"call float @llvm.fma.f32(float {z}, float {fconst(-0.5)}, float {y})")
     r = fn.f("fadd", xr, y)
     r = fn.op(f"call float @llvm.fma.f32(float {fe}, float {fconst(0.693359375)}, float {r})")
+    if not specials:
+        return fn.sel(fn.cmp("uno", x, x), x, r)
     r = fn.sel(fn.cmp("oeq", x, fconst(0.0)), NINF, r)
     r = fn.sel(fn.cmp("olt", x, fconst(0.0)), NAN, r)
     r = fn.sel(fn.cmp("oeq", x, INF), INF, r)
     return fn.sel(fn.cmp("uno", x, x), x, r)
+
+
+def _log_normal(fn: _Fn, x: str) -> str:
+    """log of an argument known to be a positive normal float or NaN (log-softmax's sum of
+    exps, >= 1): no subnormal pre-scaling, no zero, negative or inf cases."""
+    return _log(fn, x, specials=False)
 
 
 def _tanh(fn: _Fn, x: str) -> str:
@@ -250,7 +261,8 @@ def _pow(fn: _Fn, a: str, b: str) -> str:
     return fn.sel(fn.cmp("oeq", a, fconst(1.0)), fconst(1.0), res)
 
 
-_BUILDERS = {"expf": (_exp, 1), "expf_nonpos": (_exp_nonpos, 1), "logf": (_log, 1), "tanhf": (_tanh, 1), "erff": (_erf, 1),
+_BUILDERS = {"expf": (_exp, 1), "expf_nonpos": (_exp_nonpos, 1), "logf": (_log, 1),
+             "logf_normal": (_log_normal, 1), "tanhf": (_tanh, 1), "erff": (_erf, 1),
              "sigmoidf": (_sigmoid, 1), "powf": (_pow, 2)}
 #: functions each helper calls, so a module includes them too
 DEPENDS = {"erff": ("expf",), "sigmoidf": ("expf",),
@@ -283,7 +295,7 @@ def helper_names(used) -> list:
 def render_helpers(used, scalef: bool = False) -> str:
     """Return LLVM IR text defining ``@ap.<name>`` for each helper in ``used`` (+ deps).
 
-    Expects names from ``expf expf_nonpos logf tanhf erff sigmoidf powf``; the module must also contain
+    Expects names from ``expf expf_nonpos logf logf_normal tanhf erff sigmoidf powf``; the module must also contain
     the declarations in :data:`INTRINSIC_DECLS` (once).  ``scalef`` (set for AVX-512 hosts,
     where LLVM vectorises ``llvm.ldexp`` to one ``vscalefps``) scales exp's result by 2^n
     with ``llvm.ldexp`` instead of integer exponent arithmetic (same results: ldexp rounds

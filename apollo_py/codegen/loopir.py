@@ -176,16 +176,18 @@ class Bin(Expr):
 class Un(Expr):
     """A unary op (math functions need float operands; ``not`` needs bool or int).
 
-    ``upper`` is a range fact proved by the producer (poly/range_facts.py): the operand is
-    ``<= upper`` or NaN, up to rounding.  Renderers may use it to drop range checks (LLVM:
-    ``exp`` without its upper clamp); semantics do not change, so others ignore it."""
+    ``upper`` / ``lower`` are range facts proved by the producer (poly/range_facts.py): the
+    operand is ``<= upper`` (``>= lower``) or NaN, up to rounding.  Renderers may use them to
+    drop range checks (LLVM: ``exp`` without its upper clamp, ``log`` without its zero,
+    negative, subnormal and inf cases); semantics do not change, so others ignore them."""
 
     op: str
     a: Expr
     upper: Optional[float] = None
+    lower: Optional[float] = None
 
     def __post_init__(self):
-        if self.upper is not None and not is_float(self.a.dtype):
+        if (self.upper is not None or self.lower is not None) and not is_float(self.a.dtype):
             raise CompileError(f"unary op {self.op!r}: a range fact needs a float operand")
         if self.op not in UNARY_OPS:
             raise CompileError(f"unknown unary op {self.op!r}")
@@ -502,7 +504,8 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Bin):
         return f"{e.op}({format_expr(e.a)}, {format_expr(e.b)})"
     if isinstance(e, Un):
-        fact = "" if e.upper is None else f", <={float(e.upper)!r}"
+        fact = ("" if e.lower is None else f", >={float(e.lower)!r}") + \
+            ("" if e.upper is None else f", <={float(e.upper)!r}")
         return f"{e.op}({format_expr(e.a)}{fact})"
     if isinstance(e, Select):
         return f"select({format_expr(e.cond)}, {format_expr(e.a)}, {format_expr(e.b)})"

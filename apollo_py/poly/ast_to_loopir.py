@@ -452,7 +452,7 @@ def subst(node, name: str, rep: L.Expr):
     if isinstance(node, L.Bin):
         return L.Bin(node.op, subst(node.a, name, rep), subst(node.b, name, rep))
     if isinstance(node, L.Un):
-        return L.Un(node.op, subst(node.a, name, rep), node.upper)
+        return L.Un(node.op, subst(node.a, name, rep), node.upper, node.lower)
     if isinstance(node, L.Select):
         return L.Select(subst(node.cond, name, rep), subst(node.a, name, rep), subst(node.b, name, rep))
     if isinstance(node, L.Cast):

@@ -1,4 +1,5 @@
-"""Range facts on the loop IR: ``exp(x - max(x))`` never sees a positive argument.
+"""Range facts on the loop IR: ``exp(x - max(x))`` never sees a positive argument, and
+``log(sum(exp(x - max(x))))`` never sees one below 1.
 
 Softmax and log-softmax compute ``exp(e(j) - m)`` after ``m`` folded ``max`` over the same
 elements ``e(j)``.  Then ``e(j) <= m``, so ``e(j) - m <= 0`` (rounding is monotone and
@@ -20,6 +21,11 @@ Pattern, inside one Block (the statements ``S_i`` in order):
 * in ``S_k``'s body an ``exp`` of ``sub(E(w), m)`` -- directly, through a scalar assigned it
   in the same iteration, or through a buffer element stored it at the same index.
 
+When the loop ``S_k`` covers exactly ``[lo, hi)`` and ``m`` was set to -inf right before
+``S_i``, a sum ``s = s + exp(E(w) - m)`` in ``S_k`` (``s = 0`` before it) includes exp(0) = 1
+for the maximum, so ``1 <= s <= hi - lo`` or NaN: a later ``log(s)`` gets ``lower=1.0,
+upper=hi-lo`` (LLVM: log without its zero, negative, subnormal and inf cases; log-softmax).
+
 Anything else is left as it is.
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ def _sub(e, name: str, rep):
         return None if a is None or b is None else L.Bin(e.op, a, b)
     if isinstance(e, L.Un):
         a = _sub(e.a, name, rep)
-        return None if a is None else L.Un(e.op, a, e.upper)
+        return None if a is None else L.Un(e.op, a, e.upper, e.lower)
     if isinstance(e, L.Select):
         p = [_sub(x, name, rep) for x in (e.cond, e.a, e.b)]
         return None if None in p else L.Select(*p)
@@ -132,7 +138,7 @@ def _mark_loop(f: L.For, m: str, elem) -> L.For:
             a = mark(e.a)
             if e.op == "exp" and e.upper is None and is_shifted(a):
                 return L.Un("exp", a, 0.0)
-            return e if a is e.a else L.Un(e.op, a, e.upper)
+            return e if a is e.a else L.Un(e.op, a, e.upper, e.lower)
         if isinstance(e, L.Bin):
             a, b = mark(e.a), mark(e.b)
             return e if a is e.a and b is e.b else L.Bin(e.op, a, b)
@@ -158,6 +164,64 @@ def _mark_loop(f: L.For, m: str, elem) -> L.For:
     return L.For(f.var, f.lo, f.hi, L.Block(tuple(out)), f.kind)
 
 
+def _last_write_is(stmts: list, upto: int, name: str, value) -> bool:
+    """Whether the last statement before ``stmts[upto]`` that writes scalar ``name`` is
+    ``name = value``."""
+    for x in reversed(stmts[:upto]):
+        wv, wb = set(), set()
+        _writes(x, wv, wb)
+        if name in wv or "*" in wv:
+            return isinstance(x, L.Assign) and x.name == name and x.value == value
+    return False
+
+
+def _is_marked_exp(e) -> bool:
+    return isinstance(e, L.Un) and e.op == "exp" and e.upper is not None and e.upper <= 0.0
+
+
+def _mark_log_of_sum(stmts: list, k: int) -> None:
+    """``stmts[k]`` is a loop over the whole range of a max fold started from -inf, with its
+    ``exp(E - m)`` marked: a sum ``s`` (started from 0 right before) of those exps over the
+    loop holds exp(0) = 1 for the element equal to the max, so ``1 <= s <= n`` (n terms,
+    each <= 1) or NaN.  Marks ``log(s)`` in the statements after the loop (until ``s`` is
+    written) with ``lower=1.0, upper=n``."""
+    g = stmts[k]
+    body = _body(g)
+    if body is None:
+        return
+    scalars, slots, sums = set(), set(), []
+    for x in body:
+        v = x.value
+        is_exp = _is_marked_exp(v) or (isinstance(v, L.Var) and v.name in scalars) or \
+            (isinstance(v, L.Load) and (v.buf.name, v.index) in slots)
+        if isinstance(x, L.Assign):
+            if isinstance(v, L.Bin) and v.op == "add" and v.a == L.Var(x.name, v.dtype) and (
+                    _is_marked_exp(v.b) or (isinstance(v.b, L.Var) and v.b.name in scalars)
+                    or (isinstance(v.b, L.Load) and (v.b.buf.name, v.b.index) in slots)):
+                sums.append(x.name)
+            (scalars.add if is_exp else scalars.discard)(x.name)
+        else:
+            slots.difference_update({q for q in slots if q[0] == x.buf.name})
+            if is_exp:
+                slots.add((x.buf.name, x.index))
+    n = float(g.hi.value - g.lo.value)
+    for name in sums:
+        if sum(isinstance(x, L.Assign) and x.name == name for x in body) != 1 or n < 1 \
+                or not _last_write_is(stmts, k, name, L.Const(0.0, "float32")):
+            continue
+        target = L.Un("log", L.Var(name, "float32"))
+        for j in range(k + 1, len(stmts)):
+            x = stmts[j]
+            if isinstance(x, (L.Assign, L.Store)) and x.value == target:
+                fact = L.Un("log", target.a, n, 1.0)
+                stmts[j] = L.Assign(x.name, fact) if isinstance(x, L.Assign) \
+                    else L.Store(x.buf, x.index, fact)
+            wv, wb = set(), set()
+            _writes(stmts[j], wv, wb)
+            if name in wv or "*" in wv:
+                break
+
+
 def _mark_block(stmts: list) -> list:
     stmts = [mark_shifted_exp(x) for x in stmts]
     for i, f in enumerate(stmts):
@@ -178,6 +242,9 @@ def _mark_block(stmts: list) -> list:
                     e2 = _sub(elem, f.var.name, g.var)
                     if e2 is not None and not wv & names and not wb & bufs and "*" not in wv:
                         stmts[k] = _mark_loop(g, m, e2)
+                        if (g.lo, g.hi) == (f.lo, f.hi) and _last_write_is(
+                                stmts, i, m, L.Const(float("-inf"), elem.dtype)):
+                            _mark_log_of_sum(stmts, k)
                 _writes(g, wv, wb)
                 if isinstance(g, L.For):
                     wv.discard(g.var.name)

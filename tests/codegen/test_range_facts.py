@@ -112,3 +112,64 @@ def test_marked_kernel_matches_numpy(rng):
 def test_fact_needs_a_float_operand():
     with pytest.raises(Exception):
         L.Un("neg", L.Var("i"), 0.0)
+
+
+S = L.Var("s", "float32")
+
+
+def _logsoftmax_block(m_init=float("-inf"), s_init=0.0, use_lo=0, between=()):
+    """The emitter's log-softmax row: m = max, t = x - m, s += exp(t), y = t - log(s)."""
+    use = L.For(J, use_lo, N, L.Block((
+        L.Store(T, J, L.Bin("sub", X[J], M)),
+        L.Assign("d", L.Un("exp", T[J])),
+        L.Assign("s", L.Bin("add", S, D)))))
+    return L.Block((T, L.Local("m", "float32", L.Const(0.0, "float32")),
+                    L.Local("d", "float32", L.Const(0.0, "float32")),
+                    L.Local("s", "float32", L.Const(0.0, "float32")),
+                    L.Local("g", "float32", L.Const(0.0, "float32")),
+                    L.Assign("m", L.Const(m_init, "float32")), L.Assign("s", L.Const(s_init, "float32")),
+                    _fold(), use, *between,
+                    L.Assign("g", L.Un("log", S)),
+                    L.For(J, 0, N, L.Store(Y, J, L.Bin("sub", T[J], L.Var("g", "float32"))))))
+
+
+def _logs(node) -> list:
+    return [(s.value.lower, s.value.upper) for s in node.stmts
+            if isinstance(s, L.Assign) and isinstance(s.value, L.Un) and s.value.op == "log"]
+
+
+def test_log_of_sum_of_shifted_exps_is_marked():
+    out = mark_shifted_exp(_logsoftmax_block())
+    assert _exps(out) == [0.0]
+    assert _logs(out) == [(1.0, float(N))]
+
+
+@pytest.mark.parametrize("kw", [dict(m_init=5.0),            # m may exceed every element
+                                dict(s_init=-3.0),           # the sum does not start at 0
+                                dict(use_lo=1),              # the max element may be left out
+                                dict(between=(L.Assign("s", L.Const(0.5, "float32")),))])
+def test_log_fact_needs_the_whole_row_from_minus_inf_and_zero(kw):
+    out = mark_shifted_exp(_logsoftmax_block(**kw))
+    assert _logs(out) == [(None, None)]
+
+
+def test_log_fact_kernel_matches_numpy(rng):
+    body = mark_shifted_exp(_logsoftmax_block())
+    k = L.Kernel("logsoftmax_row", (X, Y), body)
+    text = render_llvm(k)
+    assert "@ap.logf_normal" in text and "@ap.logf(" not in text
+    ck = compile_llvm(k)
+    for special in (None, np.nan, np.inf, -np.inf, 3e38, -3e38):
+        x = (rng.standard_normal(N) * 20).astype(np.float32)
+        if special is not None:
+            x[7] = special
+        y = np.empty_like(x)
+        ck([x, y])
+        with np.errstate(invalid="ignore", over="ignore"):
+            t = x - np.max(x)
+            want = (t - np.log(np.exp(t.astype(np.float64)).sum())).astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+        fin = ~np.isnan(want)
+        np.testing.assert_array_equal(np.isinf(y[fin]), np.isinf(want[fin]))
+        ok = np.isfinite(want)
+        np.testing.assert_allclose(y[ok], want[ok], rtol=1e-5, atol=1e-5)

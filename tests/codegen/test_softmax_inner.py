@@ -135,3 +135,21 @@ def test_fold_lanes_tree_order(op, width):
         for v in vals[1:]:
             want = fn(want, v)
         assert env["s"] == want
+
+
+@pytest.mark.parametrize("n,count", [(128, 8), (64, 4), (32, 2), (16, None), (136, None), (3072, None)])
+def test_short_vector_loops_are_interleaved_to_straight_line(n, count):
+    """A vector loop of 32..128 iterations (multiple of 16) carries interleave.count n/16;
+    its results match numpy (a row loop with a tail of other lengths is left as it was)."""
+    from apollo_py.codegen.llvm import compile_llvm, render_llvm
+    import codegen_kernels as K
+    k = K.unary_kernel("abs", n)
+    text = render_llvm(k)
+    if count is None:
+        assert "llvm.loop.interleave.count" not in text
+    else:
+        assert f'!"llvm.loop.interleave.count", i32 {count}}}' in text
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    out = np.empty_like(x)
+    compile_llvm(k)([x, out])
+    np.testing.assert_array_equal(out, np.abs(x))
