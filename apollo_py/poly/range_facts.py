@@ -118,26 +118,65 @@ def _max_folds(f: L.For) -> list:
     return out
 
 
-def _mark_loop(f: L.For, m: str, elem) -> L.For:
-    """Loop ``f`` with its ``exp(E(w) - m)`` marked ``upper=0``."""
+class _Values:
+    """Which scalars and buffer elements hold a value of a given kind (``"shifted"``:
+    ``E(w) - m``, ``"exp"``: its exp) during one iteration of a straight-line loop body."""
+
+    def __init__(self):
+        self.scalars: dict = {}
+        self.slots: dict = {}
+
+    def kind(self, e):
+        if isinstance(e, L.Var):
+            return self.scalars.get(e.name)
+        if isinstance(e, L.Load):
+            return self.slots.get((e.buf.name, e.index))
+        return None
+
+    def assign(self, name: str, kind) -> None:
+        self.scalars.pop(name, None)
+        for q in [q for q in self.slots if name in _names(q[1])]:
+            del self.slots[q]                 # an index reading ``name`` now means another slot
+        if kind:
+            self.scalars[name] = kind
+
+    def store(self, buf: str, index, kind) -> None:
+        for q in [q for q in self.slots if q[0] == buf]:
+            del self.slots[q]
+        if kind:
+            self.slots[(buf, index)] = kind
+
+
+def _names(e) -> set:
+    names, bufs = set(), set()
+    _reads(e, names, bufs)
+    return names
+
+
+def _mark_loop(f: L.For, m: str, elem):
+    """Loop ``f`` with its ``exp(E(w) - m)`` marked ``upper=0``, and the scalars ``s`` it
+    folds as ``s = s + exp(E(w) - m)``: ``(loop, sums)``."""
     body = _body(f)
     names, bufs = set(), set()
     _reads(elem, names, bufs)
     if body is None or any(isinstance(x, L.Store) and x.buf.name in bufs for x in body) \
             or any(isinstance(x, L.Assign) and x.name in names | {m} for x in body):
-        return f
+        return f, []
     shifted = L.Bin("sub", elem, L.Var(m, elem.dtype))
-    scalars, slots = set(), set()
+    vals = _Values()
 
-    def is_shifted(e) -> bool:
-        return (e == shifted or (isinstance(e, L.Var) and e.name in scalars)
-                or (isinstance(e, L.Load) and (e.buf.name, e.index) in slots))
+    def kind(e):
+        if e == shifted:
+            return "shifted"
+        if isinstance(e, L.Un) and e.op == "exp" and kind(e.a) == "shifted":
+            return "exp"
+        return vals.kind(e)
 
     def mark(e):
         if isinstance(e, L.Un):
             a = mark(e.a)
-            if e.op == "exp" and e.upper is None and is_shifted(a):
-                return L.Un("exp", a, 0.0)
+            if e.op == "exp" and e.upper is None and kind(a) == "shifted":
+                return L.Un("exp", a, 0.0, e.lower)
             return e if a is e.a else L.Un(e.op, a, e.upper, e.lower)
         if isinstance(e, L.Bin):
             a, b = mark(e.a), mark(e.b)
@@ -150,18 +189,20 @@ def _mark_loop(f: L.For, m: str, elem) -> L.For:
             return e if a is e.a else L.Cast(e.dtype_, a)
         return e
 
-    out = []
+    out, sums = [], []
     for x in body:
+        v = mark(x.value)
         if isinstance(x, L.Assign):
-            x = L.Assign(x.name, mark(x.value))
-            (scalars.add if is_shifted(x.value) else scalars.discard)(x.name)
+            if isinstance(v, L.Bin) and v.op == "add" and v.a == L.Var(x.name, v.dtype) \
+                    and kind(v.b) == "exp":
+                sums.append(x.name)
+            vals.assign(x.name, kind(v))
+            out.append(L.Assign(x.name, v))
         else:
-            x = L.Store(x.buf, x.index, mark(x.value))
-            slots.difference_update({s for s in slots if s[0] == x.buf.name})
-            if is_shifted(x.value):
-                slots.add((x.buf.name, x.index))
-        out.append(x)
-    return L.For(f.var, f.lo, f.hi, L.Block(tuple(out)), f.kind)
+            vals.store(x.buf.name, x.index, kind(v))
+            out.append(L.Store(x.buf, x.index, v))
+    sums = [n for n in sums if sum(isinstance(x, L.Assign) and x.name == n for x in body) == 1]
+    return L.For(f.var, f.lo, f.hi, L.Block(tuple(out)), f.kind), sums
 
 
 def _last_write_is(stmts: list, upto: int, name: str, value) -> bool:
@@ -175,39 +216,16 @@ def _last_write_is(stmts: list, upto: int, name: str, value) -> bool:
     return False
 
 
-def _is_marked_exp(e) -> bool:
-    return isinstance(e, L.Un) and e.op == "exp" and e.upper is not None and e.upper <= 0.0
-
-
-def _mark_log_of_sum(stmts: list, k: int) -> None:
-    """``stmts[k]`` is a loop over the whole range of a max fold started from -inf, with its
-    ``exp(E - m)`` marked: a sum ``s`` (started from 0 right before) of those exps over the
-    loop holds exp(0) = 1 for the element equal to the max, so ``1 <= s <= n`` (n terms,
-    each <= 1) or NaN.  Marks ``log(s)`` in the statements after the loop (until ``s`` is
-    written) with ``lower=1.0, upper=n``."""
+def _mark_log_of_sum(stmts: list, k: int, sums: list) -> None:
+    """``stmts[k]`` is a loop over the whole range of a max fold of ``m`` started from -inf,
+    folding ``s = s + exp(E(w) - m)`` for each ``s`` in ``sums``: with ``s = 0`` before the
+    loop, ``s`` holds exp(0) = 1 for the element equal to the max, so ``1 <= s <= n`` (n
+    terms, each <= 1) or NaN.  Marks ``log(s)`` in the statements after the loop (until ``s``
+    is written) with ``lower=1.0, upper=n``."""
     g = stmts[k]
-    body = _body(g)
-    if body is None:
-        return
-    scalars, slots, sums = set(), set(), []
-    for x in body:
-        v = x.value
-        is_exp = _is_marked_exp(v) or (isinstance(v, L.Var) and v.name in scalars) or \
-            (isinstance(v, L.Load) and (v.buf.name, v.index) in slots)
-        if isinstance(x, L.Assign):
-            if isinstance(v, L.Bin) and v.op == "add" and v.a == L.Var(x.name, v.dtype) and (
-                    _is_marked_exp(v.b) or (isinstance(v.b, L.Var) and v.b.name in scalars)
-                    or (isinstance(v.b, L.Load) and (v.b.buf.name, v.b.index) in slots)):
-                sums.append(x.name)
-            (scalars.add if is_exp else scalars.discard)(x.name)
-        else:
-            slots.difference_update({q for q in slots if q[0] == x.buf.name})
-            if is_exp:
-                slots.add((x.buf.name, x.index))
     n = float(g.hi.value - g.lo.value)
     for name in sums:
-        if sum(isinstance(x, L.Assign) and x.name == name for x in body) != 1 or n < 1 \
-                or not _last_write_is(stmts, k, name, L.Const(0.0, "float32")):
+        if n < 1 or not _last_write_is(stmts, k, name, L.Const(0.0, "float32")):
             continue
         target = L.Un("log", L.Var(name, "float32"))
         for j in range(k + 1, len(stmts)):
@@ -241,10 +259,10 @@ def _mark_block(stmts: list) -> list:
                         and g.var.dtype == f.var.dtype:
                     e2 = _sub(elem, f.var.name, g.var)
                     if e2 is not None and not wv & names and not wb & bufs and "*" not in wv:
-                        stmts[k] = _mark_loop(g, m, e2)
-                        if (g.lo, g.hi) == (f.lo, f.hi) and _last_write_is(
+                        stmts[k], sums = _mark_loop(g, m, e2)
+                        if sums and (g.lo, g.hi) == (f.lo, f.hi) and _last_write_is(
                                 stmts, i, m, L.Const(float("-inf"), elem.dtype)):
-                            _mark_log_of_sum(stmts, k)
+                            _mark_log_of_sum(stmts, k, sums)
                 _writes(g, wv, wb)
                 if isinstance(g, L.For):
                     wv.discard(g.var.name)

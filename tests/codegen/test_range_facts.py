@@ -173,3 +173,37 @@ def test_log_fact_kernel_matches_numpy(rng):
         np.testing.assert_array_equal(np.isinf(y[fin]), np.isinf(want[fin]))
         ok = np.isfinite(want)
         np.testing.assert_allclose(y[ok], want[ok], rtol=1e-5, atol=1e-5)
+
+
+def test_buffer_slot_is_forgotten_when_its_index_changes():
+    k = L.Var("k")
+    body = _block(L.Local("k", "int64", L.Const(0)), _fold(), L.For(J, 0, N, L.Block((
+        L.Assign("k", J),
+        L.Store(T, k, L.Bin("sub", X[J], M)),
+        L.Assign("k", L.Const(N - 1)),                  # T[k] is now another element
+        L.Store(Y, J, L.Un("exp", T[k]))))))
+    assert _exps(mark_shifted_exp(body)) == [None]
+
+
+def test_log_fact_needs_the_sum_of_this_max_shift():
+    """A sum of exps shifted by the max of a wider range (m2 over x[0:N], the sum over
+    x[0:N/2] with its own max m) may stay below 1: its log is not marked."""
+    half = N // 2
+    m2 = L.Var("m2", "float32")
+    fold2 = L.For(I, 0, N, L.Assign("m2", L.Bin("max", m2, X[I])))
+    use = L.For(J, 0, half, L.Block((
+        L.Assign("d", L.Un("exp", L.Bin("sub", X[J], m2))),
+        L.Store(Y, J, L.Un("exp", L.Bin("sub", X[J], M))),
+        L.Assign("s", L.Bin("add", S, D)))))
+    body = L.Block((T, L.Local("m", "float32", L.Const(0.0, "float32")),
+                    L.Local("m2", "float32", L.Const(0.0, "float32")),
+                    L.Local("d", "float32", L.Const(0.0, "float32")),
+                    L.Local("s", "float32", L.Const(0.0, "float32")),
+                    L.Local("g", "float32", L.Const(0.0, "float32")),
+                    L.Assign("m", L.Const(float("-inf"), "float32")),
+                    L.Assign("m2", L.Const(float("-inf"), "float32")),
+                    L.Assign("s", L.Const(0.0, "float32")),
+                    _fold(hi=half), fold2, use, L.Assign("g", L.Un("log", S))))
+    out = mark_shifted_exp(body)
+    assert _exps(out) == [0.0, 0.0]                     # both exps are <= 0 ...
+    assert _logs(out) == [(None, None)]                 # ... but the sum may be < 1
