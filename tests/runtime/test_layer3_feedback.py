@@ -8,7 +8,7 @@ import apollo_py as ap
 from apollo_py.feedback.log import read_events
 
 
-SHAPE = (32, 256)    # 32 KiB per branch: four together are worth one pool job (cpu.INLINE_BYTES)
+SHAPE = (512, 1024)  # 2 MiB per branch: four together are worth one pool job (cpu.INLINE_BYTES)
 
 
 def _branches(n=4, shape=SHAPE):
@@ -33,12 +33,12 @@ def _run(tmp_path, machine, shape=SHAPE):
 
 
 def test_cheap_launches_group_the_branches(tmp_path):
-    groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9})
+    groups, rejected = _run(tmp_path, {"bandwidth": 100e9, "peak": 500e9, "launch": 1e-9})
     assert groups == [4] and rejected == []
 
 
 def test_tiny_groups_run_inline(tmp_path):
-    # layer 3 groups them, but 4 x 128 bytes is not worth a pool wake-up: four inline entries
+    # layer 3 groups them, but 4 x 128 bytes are not worth a pool wake-up: four inline entries
     groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9}, shape=(4, 8))
     assert groups == [1, 1, 1, 1] and rejected == []
 
@@ -55,7 +55,7 @@ def test_rejected_combinations_are_logged(tmp_path, monkeypatch):
     # a policy demanding a one-second gain: every combination is tried and refused
     monkeypatch.setattr(layer3, "stitch_parallel", lambda ks, m, on_reject=None: real(
         ks, m, layer3.ParallelPolicy(min_gain=1.0), on_reject=on_reject))
-    groups, rejected = _run(tmp_path, {"bandwidth": 10e9, "peak": 50e9, "launch": 1e-9})
+    groups, rejected = _run(tmp_path, {"bandwidth": 100e9, "peak": 500e9, "launch": 1e-9})
     assert groups == [1, 1, 1, 1]
     assert rejected and all(e["detail"]["reason"] == "estimated gain below the policy threshold" for e in rejected)
     assert {len(e["sizes"]) for e in rejected} == {2, 3, 4}
