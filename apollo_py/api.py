@@ -125,7 +125,9 @@ class CompiledGraph:
         single-output model), a list with one entry per output (None = allocate that one), or
         a dict output name -> array.  Each must have the output's shape and dtype, be
         C-contiguous and writeable, and share no memory with an input.  (An input that is
-        itself named ``out`` must then be passed by position.)
+        itself named ``out`` must then be passed by position.)  Arrays aligned to 64 bytes
+        (``apollo_py.runtime.memory.aligned_empty``) are written fastest: ``np.empty`` gives 16,
+        which splits every 64-byte vector store (softmax [768,128,128]: 2.9-3.2 ms against 2.5-2.6).
         """
         feeds = self._bind(args, kwargs)
         exe = self.specialization({k: v.shape for k, v in feeds.items()})
