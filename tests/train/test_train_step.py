@@ -120,16 +120,22 @@ def test_weight_decay_variants_match_numpy(opt):
     }[opt]
     step = ap.train_step(mlp_graph(w0, 6), optimizer=ours)
     ref = {k: v.copy() for k, v in w0.items()}
-    rng = np.random.default_rng(0)
-    for _ in range(6):
-        x = rng.standard_normal((6, 12)).astype(np.float32)
-        y = rng.integers(0, 3, 6)
+    _steps_match(step, theirs, ref, np.random.default_rng(0), steps=6, batch=6, dims=(12, 3))
+    for k in ref:
+        _close(k, step.params[k], ref[k], atol=1e-5)
+
+
+def _steps_match(step, theirs, ref, rng, steps, batch, dims):
+    """Run ``steps`` random batches through ``step`` and the numpy optimizer ``theirs`` (which
+    updates the parameter dict ``ref``); every loss must match to rtol 1e-4."""
+    d, classes = dims
+    for _ in range(steps):
+        x = rng.standard_normal((batch, d)).astype(np.float32)
+        y = rng.integers(0, classes, batch)
         loss = step(labels=y, x=x)
         want, g = mlp_loss_and_grads(ref, x, y)
         theirs.step(ref, g)
         assert loss == pytest.approx(want, rel=1e-4)
-    for k in ref:
-        _close(k, step.params[k], ref[k], atol=1e-5)
 
 
 def _cnn_onnx(seed=0):
@@ -243,17 +249,10 @@ def test_params_and_state_are_updated_in_place(target):
     place on cpu where runtime/inplace.py allows, copied in otherwise) and hold Adam's values."""
     w0 = mlp_weights((12, 16, 4))
     step = ap.train_step(mlp_graph(w0, 8), optimizer=ap.optim.Adam(lr=1e-2), target=target)
-    ref = NumpyAdam(1e-2, (0.9, 0.999), 1e-8)
     params = {k: v.copy() for k, v in w0.items()}
-    rng = np.random.default_rng(3)
     before = {k: id(v) for k, v in {**step.params, **step.state}.items()}
-    for _ in range(3):
-        x = rng.standard_normal((8, 12)).astype(np.float32)
-        y = rng.integers(0, 4, 8)
-        loss = step(labels=y, x=x)
-        want, grads = mlp_loss_and_grads(params, x, y)
-        ref.step(params, grads)
-        np.testing.assert_allclose(loss, want, rtol=1e-4)
+    _steps_match(step, NumpyAdam(1e-2, (0.9, 0.999), 1e-8), params, np.random.default_rng(3),
+                 steps=3, batch=8, dims=(12, 4))
     assert {k: id(v) for k, v in {**step.params, **step.state}.items()} == before
     for k in params:
         np.testing.assert_allclose(step.params[k], params[k], rtol=1e-4, atol=1e-6)
