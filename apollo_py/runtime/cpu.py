@@ -88,10 +88,13 @@ class CpuExecutable:
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(graph.outputs) | set(self.constants)
         # only outputs of kernels and BLAS calls go into the arena; reference steps return their
-        # own arrays
+        # own arrays, except a reshape, whose output is a view of its input (an alias: the
+        # memory plan keeps the input's buffer alive for the alias's readers)
         kernel_outs = {v for s in self.steps if _writes_buffers(s) for v in s.outputs}
         external |= {v for s in self.steps for v in s.outputs if v not in kernel_outs}
-        self.memory = plan_memory([(s.inputs, s.outputs) for s in self.steps],
+        self._root = _reshape_aliases(self.steps)
+        root = self._root
+        self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps],
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
                                   external)
         self._arenas = ArenaPool(self.memory, graph.types)
@@ -102,7 +105,7 @@ class CpuExecutable:
                        if _writes_buffers(s) for v in s.outputs if v not in self.memory.slots}
         self._inplace: dict[tuple, str] = {}
         self._copy_out = tuple(v in self.memory.slots or v in self.constants or v in graph.inputs
-                               for v in graph.outputs)
+                               or v in self._root for v in graph.outputs)
 
     def _dispatch_schedule(self) -> list:
         """Steps in order, consecutive independent kernel steps merged into one dispatch.
@@ -117,7 +120,10 @@ class CpuExecutable:
         """
         slots = self.memory.slots
 
+        root = self._root
+
         def ranges(vals):
+            vals = [root.get(v, v) for v in vals]
             return [(slots[v].offset, slots[v].offset + max(slots[v].nbytes, 1)) for v in vals if v in slots]
 
         def overlap(a, b):
@@ -242,6 +248,9 @@ class CpuExecutable:
                 self._bind_outputs(s, env, out, arena)
             s.execute(env, pool)
             return
+        if s.outputs and s.outputs[0] in self._root:    # a reshape: a view, no copy
+            env[s.outputs[0]] = env[s.inputs[0]].reshape(self.graph.types[s.outputs[0]].shape)
+            return
         local = {v: env[v] for v in s.inputs}
         run_nodes(s.nodes, local, self.graph.types)
         for v in s.outputs:
@@ -250,6 +259,18 @@ class CpuExecutable:
             if not a.flags.c_contiguous or np.may_share_memory(a, arena.block):
                 a = np.array(a, order="C")
             env[v] = a
+
+
+def _reshape_aliases(steps) -> dict:
+    """Output -> root value (the buffer it views) of every reference step that is one
+    ``reshape`` of a C-contiguous value (every value the runtime binds is one), transitively."""
+    root: dict = {}
+    for s in steps:
+        if isinstance(s, ReferenceStep) and len(s.nodes) == 1 and s.nodes[0].op == "reshape" \
+                and len(s.outputs) == 1 and s.outputs[0] == s.nodes[0].outputs[0]:
+            v = s.nodes[0].inputs[0]
+            root[s.outputs[0]] = root.get(v, v)
+    return root
 
 
 def _writes_buffers(step) -> bool:

@@ -63,15 +63,18 @@ def inplace_reason(exe, output: str, source: str) -> str:
                 writer_at, writer = k, s
     if writer is None:
         return f"no step writes {output!r}"
+    views = {source} | {v for v, r in getattr(exe, "_root", {}).items() if r == source}   # reshapes of it
     for k, (kind, item) in enumerate(exe._schedule):
         for s in (item if kind == "kernels" else [item]):
-            if s is not writer and source in s.inputs and k >= writer_at:
+            if s is not writer and views & set(s.inputs) and k >= writer_at:
                 return f"{source!r} is read after (or alongside) the step writing {output!r}"
     if isinstance(writer, BlasStep):
         desc = writer.desc
-        if desc.acc != source or source in (desc.a, desc.b):
+        if desc.acc != source or views & {desc.a, desc.b}:
             return f"the BLAS step writing {output!r} reads {source!r} as an operand"
         return ""
     if getattr(writer, "fused", None) is not None:
+        if (views - {source}) & set(writer.inputs):
+            return f"the kernel writing {output!r} reads a reshape of {source!r}"
         return _writer_kernel_ok(writer, output, source, types)
     return f"the step writing {output!r} is not a kernel or a BLAS call"
