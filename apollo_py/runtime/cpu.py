@@ -48,9 +48,11 @@ class ReferenceStep:
 #: thread.  A pool dispatch costs about 35 us before any work (worker wake-up, GIL hand-offs);
 #: tanh(x)+y with cache-hot operands on the 2-core box, inline vs 2 chunks: 384 KiB 11 vs 48 us,
 #: 1.5 MiB 40 vs 78-114 us, 3 MiB 94 vs 166 us, 6 MiB 200 vs 216 us.  In-process A/B of 64 KiB,
-#: 1 MiB and 2 MiB: wide_deep 1.00 / 0.99 / 0.93-0.95 (its eight 160 KiB bag sums), four_branches,
-#: conv_bn_lrelu_res, bert_layer unchanged within 1%.
-INLINE_BYTES = 2 * 1024 * 1024
+#: 1 MiB and 2 MiB: wide_deep 1.00 / 0.99 / 0.93-0.95 (its eight 160 KiB bag sums); of 2, 4 and
+#: 8 MiB: four_branches (4 x 1 MiB) 1.00 / 0.98 / 0.89; wide_deep, bias_maxpool,
+#: conv_bn_lrelu_res, bert_layer within 1% at every value.  Measured with 2 threads: with more
+#: cores the pool pays off earlier and this should shrink.
+INLINE_BYTES = 8 * 1024 * 1024
 #: a chunk of a kernel's parallel loop moves at least about this many bytes: each chunk is one
 #: ctypes call plus a claim under the GIL (a 512 x 4 x 16 bag sum cut into 8 chunks was
 #: overhead-bound; four_branches' 4 x 1 MiB group, busy 2-core box: 128 KiB chunks 0.47 ms,

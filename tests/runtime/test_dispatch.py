@@ -26,10 +26,10 @@ def _feeds(rows=64, cols=256, seed=0):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_independent_kernels_share_one_dispatch(threads):
-    # 2 MiB per branch: together above cpu.INLINE_BYTES, so the group is one pool dispatch
-    g = _branches(512, 1024)
+    # 4 MiB per branch: together above cpu.INLINE_BYTES, so the group is one pool dispatch
+    g = _branches(1024, 1024)
     f = ap.jit(g, options=ap.Options(target="cpu", num_threads=threads))
-    feeds = _feeds(512, 1024)
+    feeds = _feeds(1024, 1024)
     got = f.run(**feeds)
     want = evaluate(g, feeds)
     for a, w in zip(got, want):

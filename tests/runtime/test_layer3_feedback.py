@@ -8,7 +8,7 @@ import apollo_py as ap
 from apollo_py.feedback.log import read_events
 
 
-SHAPE = (512, 1024)  # 2 MiB per branch: four together are worth one pool job (cpu.INLINE_BYTES)
+SHAPE = (1024, 1024)  # 4 MiB per branch: four together are worth one pool job (cpu.INLINE_BYTES)
 
 
 def _branches(n=4, shape=SHAPE):
