@@ -11,7 +11,9 @@ is a :class:`~apollo_py.runtime.blas.BlasDesc` step, with these neighbours folde
 * a kernel that is exactly ``P - c * R`` or ``P + c * R`` (``c`` a scalar constant, ``R`` the
   result, read by nothing else, ``P`` of the result's shape and dtype) becomes ``alpha = ∓c``
   and ``beta = 1`` accumulating into the output initialised from ``P`` -- the SGD update
-  ``W - lr * (Xᵀ @ dH)`` of a training step is one sgemm.
+  ``W - lr * (Xᵀ @ dH)`` of a training step is one sgemm;
+* a kernel that is exactly ``R + b`` with ``b`` broadcasting to ``R`` (a Linear layer's bias)
+  becomes ``beta = 1`` into an output initialised with ``b`` broadcast.
 
 A folded call runs at the position of the last step it absorbed (its operands are still live
 there; its result was read by nothing in between).  Matmuls whose operands are not float32 or
@@ -74,6 +76,8 @@ def _update_of(spec, result: str, graph: Graph, consts: dict):
     if spec.fused is None:
         return None
     ops = [n for n in spec.fused.nodes if n.op != "constant"]
+    if len(ops) == 1 and ops[0].op == "add" and result in ops[0].inputs:
+        return _bias_of(spec, ops[0], result, graph)
     if len(ops) != 2 or ops[0].op != "mul" or ops[1].op not in ("sub", "add"):
         return None
     mul, upd = ops
@@ -98,6 +102,24 @@ def _update_of(spec, result: str, graph: Graph, consts: dict):
     if tuple(spec.outputs) != (upd.outputs[0],):
         return None
     return acc, sign * float(c.reshape(())), upd.outputs[0]
+
+
+def _bias_of(spec, add, result: str, graph: Graph):
+    """``(bias, 1.0, out)`` when kernel ``spec`` is exactly ``result + bias`` with ``bias``
+    broadcasting to the result (a Linear layer's bias row), else None."""
+    others = [v for v in add.inputs if v != result]
+    if len(others) != 1 or tuple(spec.outputs) != (add.outputs[0],):
+        return None
+    bias = others[0]
+    t_b, t_out, t_res = (graph.types[v] for v in (bias, add.outputs[0], result))
+    if t_out.shape != t_res.shape or not (t_b.dtype == t_out.dtype == t_res.dtype):
+        return None
+    try:
+        if np.broadcast_shapes(t_b.shape, t_res.shape) != tuple(t_res.shape):
+            return None
+    except ValueError:
+        return None
+    return bias, 1.0, add.outputs[0]
 
 
 def fold_blas(specs: list, graph: Graph) -> list:

@@ -89,7 +89,7 @@ class BlasDesc:
     """One folded BLAS call: ``out = alpha * op(a) @ op(b) (+ acc)``.
 
     ``a`` is stored ``[k, m]`` if ``trans_a`` else ``[m, k]`` (an N-d ``a`` without ``trans_a``
-    is read as its flattened rows), ``b`` likewise ``[n, k]`` / ``[k, n]``; ``acc`` (a value of
+    is read as its flattened rows), ``b`` likewise ``[n, k]`` / ``[k, n]``; ``acc`` (a value broadcasting to
     the output's shape, or None) is added (``beta = 1``).  ``nodes`` are the graph nodes the
     call computes (the matmul plus any folded transposes and update ops).
     """

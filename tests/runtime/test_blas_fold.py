@@ -192,3 +192,25 @@ def test_kernel_after_a_blas_call_runs_inline():
     assert kinds == ["step", "kernels"]
     epilogue = exe._schedule[1][1][0]
     assert id(epilogue) in exe._inline
+
+
+@pytest.mark.parametrize("xs,bias_shape", [((64, 48), (96,)), ((4, 16, 48), (96,)), ((64, 48), (1, 96))])
+def test_bias_add_folds_into_beta(xs, bias_shape):
+    b = ap.GraphBuilder("linear")
+    x, w, bias = b.input("x", xs), b.input("w", (48, 96)), b.input("bias", bias_shape)
+    f = ap.jit(b.build([b.add(b.matmul(x, w), bias)]), target="cpu")
+    assert _kinds(f) == ["blas"], str(f.plan)
+    assert f.plan.kernels[0].blas.acc == "bias" and f.plan.kernels[0].blas.alpha == 1.0
+    rng = np.random.default_rng(11)
+    xv, wv, bv = _rand(rng, *xs), _rand(rng, 48, 96), _rand(rng, *bias_shape)
+    np.testing.assert_allclose(f(xv, wv, bv), np.matmul(xv.astype(np.float64), wv) + bv, rtol=RTOL, atol=ATOL)
+
+
+def test_bias_that_does_not_broadcast_to_the_product_stays_a_kernel():
+    b = ap.GraphBuilder("outer")
+    x, w, col = b.input("x", (1, 48)), b.input("w", (48, 96)), b.input("col", (32, 1))
+    f = ap.jit(b.build([b.add(b.matmul(x, w), col)]), target="cpu")    # (1,96) + (32,1) -> (32,96)
+    assert _kinds(f) == ["blas", "kernel"], str(f.plan)
+    rng = np.random.default_rng(12)
+    xv, wv, cv = _rand(rng, 1, 48), _rand(rng, 48, 96), _rand(rng, 32, 1)
+    np.testing.assert_allclose(f(xv, wv, cv), xv.astype(np.float64) @ wv + cv, rtol=RTOL, atol=ATOL)
