@@ -50,16 +50,16 @@ class ReferenceStep:
 #: 1.5 MiB 40 vs 78-114 us, 3 MiB 94 vs 166 us, 6 MiB 200 vs 216 us.  In-process A/B of 64 KiB,
 #: 1 MiB and 2 MiB: wide_deep 1.00 / 0.99 / 0.93-0.95 (its eight 160 KiB bag sums); of 2, 4 and
 #: 8 MiB: four_branches (4 x 1 MiB) 1.00 / 0.98 / 0.89; wide_deep, bias_maxpool,
-#: conv_bn_lrelu_res, bert_layer within 1% at every value.  Measured with 2 threads: with more
-#: cores the pool pays off earlier and this should shrink.
+#: conv_bn_lrelu_res, bert_layer within 1% at every value.  It also covers kernels right after a
+#: BLAS call, whose worker threads spin for a while and hold a core (MLP training step: ReLU
+#: epilogue 0.19-0.23 ms on the pool, 0.14 ms inline).  Measured with 2 threads: with more cores
+#: the pool pays off earlier and this should shrink.
 INLINE_BYTES = 8 * 1024 * 1024
 #: a chunk of a kernel's parallel loop moves at least about this many bytes: each chunk is one
 #: ctypes call plus a claim under the GIL (a 512 x 4 x 16 bag sum cut into 8 chunks was
 #: overhead-bound; four_branches' 4 x 1 MiB group, busy 2-core box: 128 KiB chunks 0.47 ms,
 #: 1 MiB 0.41 ms; softmax [768,128,128] the same for 64 KiB .. 4 MiB)
 CHUNK_BYTES = 1024 * 1024
-#: a kernel right after a BLAS call moving fewer bytes than this runs inline (see _dispatch_schedule)
-AFTER_BLAS_INLINE_BYTES = 4 * 1024 * 1024
 
 _POOLS: dict[int, object] = {}
 _POOL_LOCK = threading.Lock()
@@ -162,12 +162,6 @@ class CpuExecutable:
             out.append(("step", s))
         if group:
             flush()
-        # OpenBLAS's worker threads spin for a while after each call and hold a core: a
-        # mid-sized kernel right after a BLAS call runs faster on the calling thread alone
-        # (MLP training step, 2 cores: relu epilogue 0.19-0.23 ms on the pool, 0.14 ms inline)
-        self._inline = {id(item[0]) for prev, (kind, item) in zip(out, out[1:])
-                        if kind == "kernels" and len(item) == 1 and _calls_blas(prev)
-                        and _bytes(item[0]) < AFTER_BLAS_INLINE_BYTES}
         return out
 
     supports_out = True
@@ -235,7 +229,7 @@ class CpuExecutable:
             if len(item) == 1:
                 s = item[0]
                 args = [env[v] for v in s.param_values]
-                parts = 1 if id(s) in self._inline else _parts(s)
+                parts = _parts(s)
                 if parts <= 1:
                     s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
                 else:
@@ -316,18 +310,6 @@ def _layer3_groups(run: list, machine, options=None) -> list:
                 pass
     groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine, on_reject=on_reject)
     return [[k.step for k in g] for g in groups]
-
-
-def _calls_blas(entry) -> bool:
-    """True for a schedule entry that calls the BLAS numpy links (a folded BLAS call or a
-    numpy matmul/conv step)."""
-    kind, item = entry
-    if kind != "step":
-        return False
-    from .blas import BlasStep
-    if isinstance(item, BlasStep):
-        return True
-    return isinstance(item, ReferenceStep) and any(n.op in ("matmul", "conv") for n in item.nodes)
 
 
 def _bytes(step) -> int:
