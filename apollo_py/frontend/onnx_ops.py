@@ -63,6 +63,17 @@ def _unary(cx):
     return cx.b.op(_UNARY[cx.node.op_type], cx.need(0))[0]
 
 
+# one-input ops without attributes that open into several primitives (ops/compound*.py)
+_COMPOUND_UNARY = {"Identity": C.identity, "Sign": C.sign, "Softplus": C.softplus,
+                   "Softsign": C.softsign, "Mish": C.mish, "GlobalAveragePool": C.global_average_pool,
+                   "GlobalMaxPool": C.global_max_pool}
+
+
+@converter(*_COMPOUND_UNARY)
+def _compound_unary(cx):
+    return _COMPOUND_UNARY[cx.node.op_type](cx.b, cx.need(0))
+
+
 @converter("Pow")
 def _pow(cx):
     x, y = cx.need(0), cx.need(1)
@@ -102,11 +113,6 @@ def _cast_like(cx):
     return C.cast(cx.b, cx.need(0), cx.need(1).dtype)
 
 
-@converter("Identity")
-def _identity(cx):
-    return C.identity(cx.b, cx.need(0))
-
-
 @converter("Dropout")
 def _dropout(cx):
     x = cx.need(0)
@@ -120,11 +126,6 @@ def _dropout(cx):
     if cx.wants(1):
         outs[1] = cx.b.constant(np.ones(x.shape, dtype=bool))
     return outs
-
-
-@converter("Sign")
-def _sign(cx):
-    return C.sign(cx.b, cx.need(0))
 
 
 @converter("IsNaN")
@@ -200,21 +201,6 @@ def _selu(cx):
 @converter("Celu")
 def _celu(cx):
     return C.celu(cx.b, cx.need(0), cx.attr("alpha", 1.0))
-
-
-@converter("Softplus")
-def _softplus(cx):
-    return C.softplus(cx.b, cx.need(0))
-
-
-@converter("Softsign")
-def _softsign(cx):
-    return C.softsign(cx.b, cx.need(0))
-
-
-@converter("Mish")
-def _mish(cx):
-    return C.mish(cx.b, cx.need(0))
 
 
 @converter("Gelu")
@@ -364,16 +350,6 @@ def _avg_pool(cx):
     st, pads, dil = _geometry(cx, x.shape[2:], kernel)
     return C.avg_pool(cx.b, x, kernel, st, pads, dil, bool(cx.attr("ceil_mode", 0)),
                       bool(cx.attr("count_include_pad", 0)))
-
-
-@converter("GlobalAveragePool")
-def _gap(cx):
-    return C.global_average_pool(cx.b, cx.need(0))
-
-
-@converter("GlobalMaxPool")
-def _gmp(cx):
-    return C.global_max_pool(cx.b, cx.need(0))
 
 
 @converter("Conv")
