@@ -139,10 +139,7 @@ class SubgraphRunner:
         self.last_plan = None
 
     def _executable(self, names: list[str], arrays: list[np.ndarray]):
-        from ..ir.types import DTYPES
-        from . import InputSpec
-        from .onnx import OnnxProgram
-        from .staged import compile_program
+        from .staged import compile_nodes_for
 
         key = tuple((a.shape, a.dtype.name) for a in arrays)
         exe = self._cache.get(key)
@@ -150,14 +147,11 @@ class SubgraphRunner:
             with self._lock:
                 exe = self._cache.get(key)
                 if exe is None:
-                    for n, a in zip(names, arrays):
-                        if a.dtype.name not in DTYPES:
-                            raise InputError(f"subgraph {self.graph.name!r}: value {n!r} has dtype "
-                                             f"{a.dtype.name}, which apollo_py does not support")
-                    specs = tuple(InputSpec(n, tuple(a.shape), a.dtype.name) for n, a in zip(names, arrays))
-                    prog = OnnxProgram.from_parts(self.graph.name or "body", specs, tuple(self.output_names),
-                                                  self._nodes, self._inits, self.opset)
-                    exe = compile_program(prog, {s.name: s.dims for s in specs}, self.options)
+                    exe = compile_nodes_for(
+                        self.graph.name or "body", names, arrays, self.output_names, self._nodes,
+                        self._inits, self.opset, self.options, lambda n, dt: InputError(
+                            f"subgraph {self.graph.name!r}: value {n!r} has dtype {dt}, which "
+                            "apollo_py does not support"))
                     self._cache[key] = exe
         self.last_plan = exe.plan
         return exe

@@ -31,6 +31,22 @@ from ..ir.types import DTYPES
 MAX_TAILS = 32
 
 
+def compile_nodes_for(name: str, names, arrays, outputs, nodes, inits, opset: int, options,
+                      bad_dtype) -> Any:
+    """Compile ONNX ``nodes`` as a program named ``name`` whose inputs are ``names`` with the
+    shapes and dtypes of ``arrays`` (concrete run-time values); ``bad_dtype(value, dtype)`` is
+    the error raised for a dtype apollo_py has no type for."""
+    from . import InputSpec
+    from .onnx import OnnxProgram
+
+    for n, a in zip(names, arrays):
+        if a.dtype.name not in DTYPES:
+            raise bad_dtype(n, a.dtype.name)
+    specs = tuple(InputSpec(n, tuple(a.shape), a.dtype.name) for n, a in zip(names, arrays))
+    program = OnnxProgram.from_parts(name, specs, tuple(outputs), nodes, inits, opset)
+    return compile_program(program, {s.name: s.dims for s in specs}, options)
+
+
 def compile_program(program, shapes: Mapping[str, tuple], options) -> Any:
     """An executable (``.run(feeds) -> [arrays]``, ``.plan``) of ``program`` at ``shapes``."""
     from ..compiler import compile_graph
@@ -115,25 +131,18 @@ class StagedExecutable:
         return [np.asarray(self._get(o, env)) for o in self.program.outputs]
 
     def _tail(self, names: list[str], arrays: list[np.ndarray]):
-        from . import InputSpec
-        from .onnx import OnnxProgram
-
         key = tuple((n, a.shape, a.dtype.name) for n, a in zip(names, arrays))
         exe = self._tails.get(key)
         if exe is None:
             with self._lock:
                 exe = self._tails.get(key)
                 if exe is None:
-                    for n, a in zip(names, arrays):
-                        if a.dtype.name not in DTYPES:
-                            raise UnsupportedOpError(self.node.op_type, self.node.name,
-                                                     f"value {n!r} has dtype {a.dtype.name}, which apollo_py "
-                                                     "does not support")
-                    specs = tuple(InputSpec(n, tuple(a.shape), a.dtype.name) for n, a in zip(names, arrays))
-                    inits = {**self.program.initializers, **self.constants}
-                    tail = OnnxProgram.from_parts(f"{self.program.name}/after {self.node.name}", specs,
-                                                  self.tail_outputs, self.rest, inits, self.program.opset)
-                    exe = compile_program(tail, {s.name: s.dims for s in specs}, self.options)
+                    exe = compile_nodes_for(
+                        f"{self.program.name}/after {self.node.name}", names, arrays, self.tail_outputs,
+                        self.rest, {**self.program.initializers, **self.constants}, self.program.opset,
+                        self.options, lambda n, dt: UnsupportedOpError(
+                            self.node.op_type, self.node.name,
+                            f"value {n!r} has dtype {dt}, which apollo_py does not support"))
                     if len(self._tails) >= MAX_TAILS:
                         self._tails.pop(next(iter(self._tails)))
                     self._tails[key] = exe
