@@ -167,7 +167,7 @@ def fold_blas(specs: list, graph: Graph) -> list:
         at = i
         # a transpose of the result -> swapped operands
         j = only_reader(d.out, at)
-        if j is not None and len(graph.types[d.out].shape) == 2 and d.acc is None:
+        if j is not None and len(graph.types[d.out].shape) == 2:
             t = _transpose_of(specs[j], graph)
             if t is not None and t[0] == d.out:
                 d = replace(d, a=d.b, b=d.a, trans_a=not d.trans_b, trans_b=not d.trans_a, m=d.n, n=d.m,
@@ -176,7 +176,7 @@ def fold_blas(specs: list, graph: Graph) -> list:
                 mgs += specs[j].micro_graphs
                 alive[at] = False
                 at = j
-        # acc -/+ c * result -> alpha, beta = 1
+        # acc -/+ c * result, or result + bias -> alpha, beta = 1
         j = only_reader(d.out, at)
         if j is not None:
             u = _update_of(specs[j], d.out, graph, consts)
