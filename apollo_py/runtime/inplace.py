@@ -30,15 +30,14 @@ def _writer_kernel_ok(step, output: str, source: str, types) -> str:
             return f"kernel {step.compiled.name} has a {cls} node ({n.op})"
         if any(types[v].shape != shape for v in n.outputs):
             return f"kernel {step.compiled.name} computes values of other shapes"
-    producer = {o: n for n in nodes for o in n.outputs}
-    ancestors, stack = set(), [producer[output]] if output in producer else []
-    while stack:
-        n = stack.pop()
-        if id(n) in ancestors:
-            continue
-        ancestors.add(id(n))
-        stack.extend(producer[v] for v in n.inputs if v in producer)
-    if any(source in n.inputs and id(n) not in ancestors for n in nodes):
+    import networkx as nx
+    producer = {o: k for k, n in enumerate(nodes) for o in n.outputs}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(nodes)))
+    dag.add_edges_from((producer[v], k) for k, n in enumerate(nodes) for v in n.inputs if v in producer)
+    writer = producer.get(output)
+    upstream = nx.ancestors(dag, writer) | {writer} if writer is not None else set()
+    if any(source in n.inputs and k not in upstream for k, n in enumerate(nodes)):
         return f"kernel {step.compiled.name} reads {source!r} for another output"
     return ""
 

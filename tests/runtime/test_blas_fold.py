@@ -215,3 +215,21 @@ def test_bias_that_does_not_broadcast_to_the_product_stays_a_kernel():
     rng = np.random.default_rng(12)
     xv, wv, cv = _rand(rng, 1, 48), _rand(rng, 48, 96), _rand(rng, 32, 1)
     np.testing.assert_allclose(f(xv, wv, cv), xv.astype(np.float64) @ wv + cv, rtol=RTOL, atol=ATOL)
+
+
+def test_inplace_refuses_a_kernel_reading_the_input_for_another_output():
+    """o1 = 2w and o2 = o1 + w in one kernel: writing o1 into w would clobber w[i] before the
+    add reads it (the add reads w but is not an ancestor of o1)."""
+    b = ap.GraphBuilder("two_outs")
+    w = b.input("w", (64, 32))
+    o1 = b.mul(w, b.constant(np.array(2.0, np.float32)))
+    o2 = b.add(o1, w)
+    f = ap.jit(b.build([o1, o2]), target="cpu")
+    exe = f.specialization({"w": (64, 32)})
+    assert [k for k, _ in exe._schedule] == ["kernels"], str(f.plan)     # one kernel, two outputs
+    assert "for another output" in exe.inplace_reason(f.output_names[0], "w")
+    wv = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    w0 = wv.copy()
+    outs = f.run_updating({f.output_names[0]: "w"}, w=wv)
+    np.testing.assert_array_equal(wv, 2 * w0)
+    np.testing.assert_array_equal(outs[1], 3 * w0)
