@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import dataclasses
 
 import threading
 
@@ -173,24 +172,6 @@ def _affine(e: L.Expr):
     return None
 
 
-def _loads_and_loops(node, loads: list, loop_vars: set) -> None:
-    """Collect ``Load`` nodes and the names of ``For`` variables under ``node`` (a Stmt/Expr)."""
-    if isinstance(node, L.Load):
-        loads.append(node)
-    if isinstance(node, L.For):
-        loop_vars.add(node.var.name)
-    if isinstance(node, (list, tuple)):
-        for x in node:
-            _loads_and_loops(x, loads, loop_vars)
-        return
-    if not isinstance(node, (L.Stmt, L.Expr)):
-        return
-    for f in dataclasses.fields(node):
-        v = getattr(node, f.name)
-        if isinstance(v, (L.Stmt, L.Expr, list, tuple)):
-            _loads_and_loops(v, loads, loop_vars)
-
-
 def prefetch_plan(loop: L.For, params) -> list:
     """Return ``(buf, affine base index, row bytes, distance)`` prefetches for a row loop.
 
@@ -201,8 +182,8 @@ def prefetch_plan(loop: L.For, params) -> list:
     (about PREFETCH_AHEAD_BYTES).  Measured on the 2-core Xeon (AVX-512) box: softmax over
     rows of 128 float32 [768,128,128], 2 threads, 4.4 ms -> 3.5 ms.
     """
-    loads, inner = [], set()
-    _loads_and_loops(loop.body, loads, inner)
+    loads = [n for n in L.walk(loop.body) if isinstance(n, L.Load)]
+    inner = {n.var.name for n in L.walk(loop.body) if isinstance(n, L.For)}
     if not inner:
         return []
     names = {p.name for p in params}

@@ -20,7 +20,7 @@ structural equality.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
 from apollo_py.errors import CompileError
@@ -493,6 +493,20 @@ def _fmt_const(c: Const) -> str:
     if is_int(c.dtype):
         return f"{c.value}:{c.dtype}"
     return f"{float(c.value)!r}:{c.dtype}"
+
+
+def walk(node):
+    """Every Stmt and Expr under ``node`` (a Stmt, an Expr or a list/tuple of them), ``node``
+    first, depth first through the dataclass fields (a For's variable included)."""
+    if isinstance(node, (list, tuple)):
+        for x in node:
+            yield from walk(x)
+    elif isinstance(node, (Stmt, Expr)):
+        yield node
+        for f in fields(node):
+            v = getattr(node, f.name)
+            if isinstance(v, (Stmt, Expr, list, tuple)):
+                yield from walk(v)
 
 
 def format_expr(e: Expr) -> str:

@@ -33,7 +33,6 @@ are in L2 or not), not by the read-for-ownership traffic streaming removes.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 from functools import lru_cache
@@ -70,20 +69,6 @@ def source_digest() -> str:
 
 # ---------------------------------------------------------------------- choosing params
 
-def _loaded(node, out: set) -> None:
-    """Add the names of the buffers loaded anywhere under ``node`` to ``out``."""
-    if isinstance(node, L.Load):
-        out.add(node.buf.name)
-    if isinstance(node, (list, tuple)):
-        for x in node:
-            _loaded(x, out)
-    elif isinstance(node, (L.Stmt, L.Expr)):
-        for f in dataclasses.fields(node):
-            v = getattr(node, f.name)
-            if isinstance(v, (L.Stmt, L.Expr, list, tuple)):
-                _loaded(v, out)
-
-
 def _stores(s: L.Stmt, loop, guarded: bool, out: list) -> None:
     """Collect ``(store, innermost enclosing For or None, under an If inside that loop)``."""
     if isinstance(s, L.Store):
@@ -101,14 +86,7 @@ def _stores(s: L.Stmt, loop, guarded: bool, out: list) -> None:
 
 def _expensive(node) -> bool:
     """True when ``node`` (a Stmt/Expr tree) applies an op in _EXPENSIVE_OPS."""
-    if isinstance(node, (L.Un, L.Bin)) and node.op in _EXPENSIVE_OPS:
-        return True
-    if isinstance(node, (list, tuple)):
-        return any(_expensive(x) for x in node)
-    if isinstance(node, (L.Stmt, L.Expr)):
-        return any(_expensive(getattr(node, f.name)) for f in dataclasses.fields(node)
-                   if isinstance(getattr(node, f.name), (L.Stmt, L.Expr, list, tuple)))
-    return False
+    return any(isinstance(n, (L.Un, L.Bin)) and n.op in _EXPENSIVE_OPS for n in L.walk(node))
 
 
 def _streamable(store: L.Store, loop, guarded: bool) -> bool:
@@ -137,8 +115,7 @@ def nontemporal_params(k: L.Kernel, min_bytes: int | None = None) -> tuple:
     module docstring).  Returns ``()`` when none does.
     """
     limit = NT_MIN_BYTES if min_bytes is None else min_bytes
-    loaded: set = set()
-    _loaded(k.body, loaded)
+    loaded = {n.buf.name for n in L.walk(k.body) if isinstance(n, L.Load)}
     stores: list = []
     _stores(k.body, None, False, stores)
     out = []

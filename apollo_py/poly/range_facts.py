@@ -60,16 +60,11 @@ def _sub(e, name: str, rep):
 
 def _reads(e, vars_: set, bufs: set) -> None:
     """Collect the Var names and buffer names expression ``e`` reads."""
-    if isinstance(e, L.Var):
-        vars_.add(e.name)
-    elif isinstance(e, L.Load):
-        bufs.add(e.buf.name)
-        _reads(e.index, vars_, bufs)
-    else:
-        for f in ("a", "b", "cond", "index"):
-            x = getattr(e, f, None)
-            if isinstance(x, L.Expr):
-                _reads(x, vars_, bufs)
+    for n in L.walk(e):
+        if isinstance(n, L.Var):
+            vars_.add(n.name)
+        elif isinstance(n, L.Load):
+            bufs.add(n.buf.name)
 
 
 def _writes(s, vars_: set, bufs: set) -> None:

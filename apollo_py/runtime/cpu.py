@@ -251,7 +251,7 @@ class CpuExecutable:
         run_nodes(s.nodes, local, self.graph.types)
         for v in s.outputs:
             a = local[v]
-            # a numpy view (reshape) of an arena buffer must not outlive its slot
+            # a numpy view (slice, transpose) of an arena buffer must not outlive its slot
             if not a.flags.c_contiguous or np.may_share_memory(a, arena.block):
                 a = np.array(a, order="C")
             env[v] = a
