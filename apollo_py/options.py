@@ -6,7 +6,16 @@ from dataclasses import dataclass, field, replace
 
 
 def _default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "apollo_py")
+    """``$APOLLO_PY_CACHE_DIR``, else ``$XDG_CACHE_HOME/apollo_py``, else ``~/.cache/apollo_py``.
+
+    Read once per ``Options()``: the environment only chooses where the default cache lives
+    (as XDG directories do); every pass still gets the directory through ``Options``.
+    """
+    explicit = os.environ.get("APOLLO_PY_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "apollo_py")
 
 
 @dataclass(frozen=True)
