@@ -45,3 +45,7 @@ class GraphError(ApolloError):
 
 class RuleError(ApolloError):
     """A partition rule table or user overlay is malformed."""
+
+
+class OptionsError(ApolloError):
+    """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
