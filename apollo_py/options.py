@@ -26,6 +26,9 @@ class Options:
     micro-graph).
     ``rules_overlay``: path of a user TOML overlay for the partition rule table.
     ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).
+    ``schedule_timeout``: seconds of wall time one isl scheduler call may take (it runs in a
+    child process that is stopped when over; the micro-graph is then split, like over
+    ``schedule_budget``); None = no wall-time limit.
     ``num_threads``: runtime worker threads (None = all cores).
     ``cache_dir``: piecewise cache and default feedback log location.
     ``feedback_path``: JSON-lines feedback log (None = ``<cache_dir>/feedback.jsonl``).
@@ -42,6 +45,7 @@ class Options:
     target: str = "cpu"
     rules_overlay: str | None = None
     schedule_budget: int = 200_000
+    schedule_timeout: float | None = 2.0
     num_threads: int | None = None
     cache_dir: str = field(default_factory=_default_cache_dir)
     feedback_path: str | None = None
