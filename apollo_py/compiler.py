@@ -40,7 +40,7 @@ def compile_graph(graph: Graph, options: Options):
     from .runtime.blas import BlasStep
     from .runtime.gemm_step import GemmStep
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
-             else GemmStep.build(s, options.num_threads) if s.gemm is not None
+             else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
              else BlasStep(s.blas, s.reason) if s.blas is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))

@@ -42,18 +42,26 @@ def piece_cache(directory: str | None) -> PieceCache:
 def _backend_digest() -> str:
     """sha256 of the LLVM back end's own source (optimiser pipeline, object emission), so that
     a change there invalidates pieces even when the rendered text stays the same."""
-    from . import llvm
+    from . import gemm, llvm
     h = hashlib.sha256()
-    for mod in (llvm, sys.modules[__name__]):
+    for mod in (llvm, gemm, sys.modules[__name__]):
         with open(mod.__file__, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 
 
+def positional(k: L.Kernel) -> L.Kernel:
+    """``k`` with its params named ``arg0, arg1, ...``: kernels are called with their buffers
+    by position, so the same loops at two call sites (a transformer's layers, whose values
+    have other names) render the same text and share one piece."""
+    return L.rename_params(k, [f"arg{i}" for i in range(len(k.params))]) or k
+
+
 def kernel_key(k: L.Kernel) -> tuple[str, str]:
-    """(cache key, unoptimised LLVM text) of kernel ``k`` for this host."""
+    """(cache key, unoptimised LLVM text) of kernel ``k`` (its params named by position) for
+    this host."""
     from .llvm import host, render_llvm
-    text = render_llvm(k, host().cpu_attrs)
+    text = render_llvm(positional(k), host().cpu_attrs)
     digest = hashlib.sha256(text.encode()).hexdigest()
     return piece_key(digest, "cpu", {"backend": _backend_digest()}), text
 
@@ -90,6 +98,47 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None):
         while len(_LOADED) > _LOADED_CAPACITY:
             _LOADED.popitem(last=False)
     return ck
+
+
+_ENGINES: OrderedDict[str, tuple] = OrderedDict()   # key -> (engine, ir) of whole modules
+
+
+def compile_module(text: str, build, cache_dir: str | None, name: str):
+    """(MCJIT engine, optimised IR or "") of a hand-assembled LLVM module (the generated GEMM),
+    behind the piecewise cache: ``text`` determines the module (its source, or what the source
+    is rendered from), ``build()`` renders and parses it into a module.  A hit loads the stored object code; a miss optimises (O3), emits and stores it.
+    Engines are shared within the process by key (keep them alive as long as their code runs)."""
+    from .llvm import _compile_lock, host, run_o3
+    key = piece_key(hashlib.sha256(text.encode()).hexdigest(), "cpu-module", {"backend": _backend_digest()})
+    with _LOCK:
+        done = _ENGINES.get(key)
+    if done is not None:
+        return done
+    cache = piece_cache(cache_dir)
+    hit = cache.get(key)
+    h = host()
+    ir = ""
+    with _compile_lock:
+        if hit is None:
+            mod = build()
+            mod.triple = h.triple
+            run_o3(mod)
+            ir = str(mod)
+            obj = h.target_machine().emit_object(mod)
+        else:
+            obj = hit[0]
+        empty = h.llvm.parse_assembly("")
+        empty.triple = h.triple
+        engine = h.llvm.create_mcjit_compiler(empty, h.target_machine())
+        engine.add_object_file(h.llvm.ObjectFileRef.from_data(obj))
+        engine.finalize_object()
+    if hit is None:
+        cache.put(key, obj, {"module": name})
+    with _LOCK:
+        _ENGINES[key] = (engine, ir)
+        while len(_ENGINES) > _LOADED_CAPACITY:
+            _ENGINES.popitem(last=False)
+    return engine, ir
 
 
 def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None) -> list:

@@ -20,7 +20,7 @@ structural equality.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Optional, Union
 
 from apollo_py.errors import CompileError
@@ -507,6 +507,39 @@ def walk(node):
             v = getattr(node, f.name)
             if isinstance(v, (Stmt, Expr, list, tuple)):
                 yield from walk(v)
+
+
+def rename_params(k: "Kernel", names) -> "Kernel | None":
+    """``k`` with its params named ``names`` (in order, already valid identifiers), every
+    reference in the body renamed with them; None when a new name is taken by a local, a
+    scratch buffer or a loop variable of ``k`` (the renaming would capture it)."""
+    names = list(names)
+    if len(names) != len(k.params):
+        return None
+    scratch = {x.name for x in walk(k.body) if isinstance(x, (Alloc, Local))} | \
+        {x.var.name for x in walk(k.body) if isinstance(x, For)}
+    if scratch & set(names):
+        return None
+    mapping = {p.name: Param(n, p.dtype, p.size) for p, n in zip(k.params, names)}
+    if all(p.name == n for p, n in zip(k.params, names)):
+        return k
+
+    def sub(x):
+        if isinstance(x, Param):
+            return mapping.get(x.name, x)
+        if is_dataclass(x) and not isinstance(x, type):
+            changes = {}
+            for f in fields(x):
+                v = getattr(x, f.name)
+                nv = sub(v)
+                if nv is not v:
+                    changes[f.name] = nv
+            return replace(x, **changes) if changes else x
+        if isinstance(x, tuple):
+            t = tuple(sub(v) for v in x)
+            return t if any(a is not b for a, b in zip(t, x)) else x
+        return x
+    return k.replace(params=tuple(mapping[p.name] for p in k.params), body=sub(k.body))
 
 
 def format_expr(e: Expr) -> str:
