@@ -66,14 +66,29 @@ def kernel_key(k: L.Kernel) -> tuple[str, str]:
     return piece_key(digest, "cpu", {"backend": _backend_digest()}), text
 
 
-def compile_cached(k: L.Kernel, cache: PieceCache | None):
+_TEXTS: OrderedDict[str, str] = OrderedDict()      # key -> rendered text, not yet compiled
+
+
+def remember_text(key: str, text: str) -> None:
+    """Keep ``text`` (rendered for ``kernel_key``) until the kernel of ``key`` is compiled, so
+    that a caller who needed the key early does not make codegen render the kernel twice."""
+    with _LOCK:
+        _TEXTS[key] = text
+        while len(_TEXTS) > _LOADED_CAPACITY:
+            _TEXTS.popitem(last=False)
+
+
+def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
     """A CompiledKernel for ``k``: from this process, from ``cache``, or freshly compiled.
 
+    ``key``: ``kernel_key(k)[0]`` when the caller knows it (then a hit renders nothing).
     A fresh compile's ``ir`` holds the optimised LLVM IR; a kernel loaded from the disk cache
     has ``ir == ""`` (its object code was made by an earlier process).
     """
     from .llvm import _compile_lock, host, load_object, optimize_ir
-    key, text = kernel_key(k)
+    text = None
+    if not key:
+        key, text = kernel_key(k)
     with _LOCK:
         done = _LOADED.get(key)
     if done is not None and done.name == k.name:
@@ -82,6 +97,11 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None):
     if hit is not None:
         ck = load_object(k, hit[0])
     else:
+        if text is None:
+            with _LOCK:
+                text = _TEXTS.pop(key, None)
+            if text is None:        # evicted meanwhile: render again (the key is the same)
+                key, text = kernel_key(k)
         h = host()
         with _compile_lock:
             mod = optimize_ir(text)
@@ -106,8 +126,8 @@ _ENGINES: OrderedDict[str, tuple] = OrderedDict()   # key -> (engine, ir) of who
 def compile_module(text: str, build, cache_dir: str | None, name: str):
     """(MCJIT engine, optimised IR or "") of a hand-assembled LLVM module (the generated GEMM),
     behind the piecewise cache: ``text`` determines the module (its source, or what the source
-    is rendered from), ``build()`` renders and parses it into a module.  A hit loads the stored object code; a miss optimises (O3), emits and stores it.
-    Engines are shared within the process by key (keep them alive as long as their code runs)."""
+    is rendered from), ``build()`` renders and parses it into a module.  A hit loads the stored
+    object code; a miss optimises (O3), emits and stores it.  Engines are shared within the process by key (keep them alive as long as their code runs)."""
     from .llvm import _compile_lock, host, run_o3
     key = piece_key(hashlib.sha256(text.encode()).hexdigest(), "cpu-module", {"backend": _backend_digest()})
     with _LOCK:
@@ -141,15 +161,17 @@ def compile_module(text: str, build, cache_dir: str | None, name: str):
     return engine, ir
 
 
-def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None) -> list:
+def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None,
+                keys: Sequence[str] | None = None) -> list:
     """Compile ``kernels`` through the cache in ``cache_dir``; one CompiledKernel each, in order.
 
-    ``progress`` (a :class:`apollo_py.progress.Progress` or None) counts kernels done.
+    ``keys``: their cache keys where known ("" where not); ``progress`` (a
+    :class:`apollo_py.progress.Progress` or None) counts kernels done.
     """
     cache = piece_cache(cache_dir)
     out = []
-    for k in kernels:
-        out.append(compile_cached(k, cache))
+    for k, key in zip(kernels, keys or [""] * len(kernels)):
+        out.append(compile_cached(k, cache, key))
         if progress is not None:
             progress.step()
     return out

@@ -66,8 +66,8 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
         cnodes = [n.replace(inputs=tuple(names[v] for v in n.inputs),
                             outputs=tuple(names[v] for v in n.outputs)) for n in nodes]
         ctypes = {c: types[v] for v, c in names.items()}
-        fused = fuse_micro_graph(cnodes, ctypes, [names[v] for v in inputs], [names[v] for v in outputs],
-                                 options)
+        cin, cout = [names[v] for v in inputs], [names[v] for v in outputs]
+        fused = _stored_or_fused(cnodes, ctypes, cin, cout, options)
         hit = (tuple(cnodes), tuple(fused))
         with _LOCK:
             _MEMO[key] = hit
@@ -88,6 +88,27 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
                            outputs=vals(f.outputs), param_values=vals(f.param_values),
                            consts={back[k]: x for k, x in f.consts.items()}))
     return out
+
+
+def _stored_or_fused(cnodes, ctypes, cin, cout, options: Options) -> tuple:
+    """Layer 1's kernels for a canonically named micro-graph: from the disk store in
+    ``options.cache_dir`` (layers/fuse_store.py), else fused now, keyed for codegen and stored."""
+    from ..codegen.cached import kernel_key, piece_cache, remember_text
+    from . import fuse_store
+    cache = piece_cache(options.cache_dir) if options.cache_dir else None
+    skey = fuse_store.store_key(cnodes, cin, cout, ctypes, options) if cache is not None else ""
+    if cache is not None:
+        got = fuse_store.load(cache, skey, cnodes)
+        if got is not None:
+            return got
+    fused = []
+    for f in fuse_micro_graph(cnodes, ctypes, cin, cout, options):
+        key, text = kernel_key(f.loop)
+        remember_text(key, text)
+        fused.append(replace(f, object_key=key))
+    if cache is not None:
+        fuse_store.save(cache, skey, fused, cnodes)
+    return tuple(fused)
 
 
 def _rename_params(k: L.Kernel, values: Sequence[str]):

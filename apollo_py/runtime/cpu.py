@@ -313,4 +313,4 @@ def _parts(step, machine) -> int:
 def compile_kernels(fused: Sequence, cache_dir: str | None = None, progress=None) -> list:
     """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory)."""
     from ..codegen.cached import compile_all
-    return compile_all([f.loop for f in fused], cache_dir, progress)
+    return compile_all([f.loop for f in fused], cache_dir, progress, [f.object_key for f in fused])
