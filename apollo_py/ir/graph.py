@@ -19,20 +19,34 @@ from ..errors import GraphError
 from .types import TensorType, dtype_name
 
 
+def _immutable(array) -> bool:
+    """True for a read-only, C-contiguous numpy array over an immutable ``bytes`` object: no
+    one can write to it, so it need not be copied (a 500 MB model's weights, 1.5 s)."""
+    if not isinstance(array, np.ndarray) or array.flags.writeable or not array.flags.c_contiguous:
+        return False
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return isinstance(base, bytes)
+
+
 class ConstArray:
     """An immutable numpy array usable as an attribute value (hashable by content)."""
 
     __slots__ = ("array", "_key")
 
     def __init__(self, array):
-        arr = np.array(array, copy=True)
+        if _immutable(array):   # e.g. an ONNX initializer decoded over its proto's bytes
+            arr = array
+        else:
+            arr = np.array(array, copy=True)
         if arr.dtype.name not in ("float32", "float16", "float64", "int32", "int64", "bool"):
             arr = arr.astype(dtype_name(arr.dtype))
         arr.setflags(write=False)
         self.array = arr
         h = hashlib.sha256()
         h.update(f"{arr.dtype.name}{arr.shape}".encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
+        h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data if arr.size else b"")
         self._key = h.hexdigest()[:32]
 
     @property

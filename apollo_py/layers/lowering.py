@@ -225,7 +225,8 @@ def _transpose_step(node, graph: Graph, later: set, group: tuple):
     if t_in.dtype not in ("float32", "float64", "int32", "int64") or t_in.size < TRANSPOSE_KERNEL_MIN:
         return None
     perm = tuple(int(p) for p in node.attrs["perm"])
-    name = "copy_" + hashlib.sha1(f"{node.op}{node.inputs}{node.outputs}{perm}".encode()).hexdigest()[:10]
+    # named by structure, not by value names: the same transpose in every layer is one piece
+    name = "copy_" + hashlib.sha1(f"{t_in.dtype}{t_in.shape}{perm}".encode()).hexdigest()[:10]
     loop = transpose_kernel(name, t_in.shape, perm, t_in.dtype)
     ins, outs = (node.inputs[0],), (node.outputs[0],)
     fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,
