@@ -644,3 +644,27 @@ def verify_kernel(k: Kernel) -> None:
     stmt(k.body, {}, {p.name: p for p in k.params}, False)
     if k.parallel_var is not None and not found:
         raise CompileError(f"kernel {k.name!r}: no parallel loop over {k.parallel_var!r}")
+
+
+def affine_form(e: Expr):
+    """``{var name: coefficient, "": constant}`` of an int64 index expression built from
+    constants, variables, ``+``, ``-`` and ``*`` by a constant; None for anything else."""
+    if isinstance(e, Const):
+        return {"": int(e.value)} if e.dtype == "int64" else None
+    if isinstance(e, Var):
+        return {e.name: 1} if e.dtype == "int64" else None
+    if isinstance(e, Bin) and e.op in ("add", "sub", "mul") and e.dtype == "int64":
+        a, b = affine_form(e.a), affine_form(e.b)
+        if a is None or b is None:
+            return None
+        if e.op == "mul":
+            if set(a) <= {""}:
+                a, b = b, a
+            if not set(b) <= {""}:
+                return None
+            return {k: v * b.get("", 0) for k, v in a.items()}
+        out, sign = dict(a), (1 if e.op == "add" else -1)
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + sign * v
+        return out
+    return None

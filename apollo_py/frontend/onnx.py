@@ -26,7 +26,7 @@ from ..ir.types import DTYPES
 from ..ir.verify import verify
 from ..ops import compound as C
 from ..ops.registry import get_op
-from . import InputSpec, Program
+from .program import InputSpec, Program
 
 #: ONNX TensorProto element type -> apollo dtype name (the dtypes apollo_py supports)
 ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",

@@ -36,7 +36,7 @@ def compile_nodes_for(name: str, names, arrays, outputs, nodes, inits, opset: in
     """Compile ONNX ``nodes`` as a program named ``name`` whose inputs are ``names`` with the
     shapes and dtypes of ``arrays`` (concrete run-time values); ``bad_dtype(value, dtype)`` is
     the error raised for a dtype apollo_py has no type for."""
-    from . import InputSpec
+    from .program import InputSpec
     from .onnx import OnnxProgram
 
     for n, a in zip(names, arrays):

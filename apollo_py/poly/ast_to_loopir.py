@@ -21,6 +21,7 @@ import islpy as isl
 import numpy as np
 
 from ..codegen import loopir as L
+from ..codegen.scalar_ops import scalar_op
 from .range_facts import mark_shifted_exp
 from ..errors import CompileError
 from .statements import COMPUTE, INIT, UPDATE, PolyProgram, Statement
@@ -318,43 +319,6 @@ def _contiguous_reduction(shape, axes) -> bool:
     big = [k for k, d in enumerate(shape) if d != 1]
     red = [k for k in big if k in set(axes)]
     return red == big[len(big) - len(red):]
-
-
-def scalar_op(n, args, dom, odt) -> L.Expr:
-    """The loop-IR expression of elementwise primitive ``n`` on operand expressions ``args``."""
-    from ..ops.registry import get_op
-    op = get_op(n.op).scalar
-    if op in ("add", "sub", "mul", "max", "min", "pow", "lt", "le", "gt", "ge", "eq", "ne",
-              "and", "or"):
-        return L.Bin(op, args[0], args[1])
-    if op == "div":
-        a, b = args
-        if L.is_float(a.dtype):
-            return L.Bin("div", a, b)
-        q = _floordiv_signed(a, b)
-        return q
-    if op == "xor":
-        return L.ne(args[0], args[1])
-    if op in L.UNARY_OPS:
-        return L.Un(op, args[0])
-    if op == "select":
-        return L.Select(args[0], args[1], args[2])
-    if op == "cast":
-        return L.Cast(odt, args[0])
-    if op == "copy":
-        return args[0]
-    if op == "iota":
-        return L.Cast(odt, dom[int(n.attrs["axis"])])
-    raise CompileError(f"node {n.label!r} ({n.op}): no loop-IR lowering for scalar op {op!r}")
-
-
-def _floordiv_signed(a: L.Expr, b: L.Expr) -> L.Expr:
-    """Integer division truncating toward zero (ONNX), from non-negative floordiv/mod."""
-    zero = L.as_expr(0, a.dtype)
-    aa = L.Select(L.lt(a, zero), -a, a)
-    bb = L.Select(L.lt(b, zero), -b, b)
-    q = aa // bb
-    return L.Select(L.ne(L.lt(a, zero), L.lt(b, zero)), -q, q)
 
 
 def mark_loops(stmt: L.Stmt, parallel: bool):
