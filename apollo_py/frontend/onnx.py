@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import networkx as nx
 import numpy as np
 
 from ..errors import ApolloError, InputError, ModelLoadError, ShapeError, UnsupportedOpError
@@ -667,20 +668,14 @@ def finalize(b: FoldingBuilder, inputs: list[str], outputs: list[tuple[str, Valu
             while fresh in types or fresh in targets:
                 fresh = b.fresh("v")
             rename[t] = fresh
-    # liveness: walk back from the outputs
+    # liveness: the values the outputs depend on (ancestors of a sink fed by every output, in
+    # the graph value -> value through each node), and the nodes producing them
     producer = {o: n for n in nodes for o in n.outputs}
-    live: set[int] = set()
-    stack = [v.name for _, v in final]
-    seen: set[str] = set()
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        n = producer.get(name)
-        if n is not None and id(n) not in live:
-            live.add(id(n))
-            stack.extend(n.inputs)
+    sink = object()
+    values = nx.DiGraph((i, o) for n in nodes for i in n.inputs for o in n.outputs)
+    values.add_edges_from((v.name, sink) for _, v in final)
+    seen: set[str] = nx.ancestors(values, sink)
+    live = {id(producer[v]) for v in seen if v in producer}
 
     def rn(x):
         return rename.get(x, x)
