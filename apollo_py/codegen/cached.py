@@ -16,16 +16,17 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
-from collections import OrderedDict
 from functools import lru_cache
 from typing import Sequence
+
+from cachetools import LRUCache
 
 from ..cache import PieceCache, piece_key
 from . import loopir as L
 
 _CACHES: dict[str | None, PieceCache] = {}
 _LOADED_CAPACITY = 2048
-_LOADED: OrderedDict[str, object] = OrderedDict()   # key -> CompiledKernel, this process (LRU)
+_LOADED: LRUCache = LRUCache(_LOADED_CAPACITY)   # key -> CompiledKernel, this process
 _LOCK = threading.Lock()
 
 
@@ -86,9 +87,6 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None):
             cache.put(key, obj, {"kernel": k.name})
     with _LOCK:
         _LOADED[key] = ck
-        _LOADED.move_to_end(key)
-        while len(_LOADED) > _LOADED_CAPACITY:
-            _LOADED.popitem(last=False)
     return ck
 
 
