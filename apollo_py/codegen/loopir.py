@@ -509,6 +509,24 @@ def walk(node):
                 yield from walk(v)
 
 
+def map_nodes(node, fn):
+    """``node`` rebuilt bottom up with ``fn`` applied to every Stmt, Expr and Param in it
+    (``fn`` returns its argument to keep it); unchanged subtrees are returned as they are."""
+    if isinstance(node, tuple):
+        t = tuple(map_nodes(x, fn) for x in node)
+        return t if any(a is not b for a, b in zip(t, node)) else node
+    if isinstance(node, (Stmt, Expr, Param)):
+        changes = {}
+        for f in fields(node):
+            v = getattr(node, f.name)
+            if isinstance(v, (Stmt, Expr, Param, tuple)):
+                nv = map_nodes(v, fn)
+                if nv is not v:
+                    changes[f.name] = nv
+        return fn(replace(node, **changes) if changes else node)
+    return node
+
+
 def format_expr(e: Expr) -> str:
     """Canonical one-line text of an expression."""
     if isinstance(e, Var):

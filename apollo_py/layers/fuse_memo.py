@@ -19,7 +19,7 @@ feedback events: the first occurrence did.
 from __future__ import annotations
 
 import threading
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from cachetools import LRUCache
@@ -98,37 +98,10 @@ def _rename_params(k: L.Kernel, values: Sequence[str]):
     new = [_ident(v, taken) for v in values]
     if len(new) != len(k.params):
         return None
-    scratch: set = set()
-
-    def names_in(x):
-        if isinstance(x, (L.Alloc, L.Local)):
-            scratch.add(x.name)
-        if isinstance(x, L.For):
-            scratch.add(x.var.name)
-        if is_dataclass(x) and not isinstance(x, L.Param):
-            for fl in fields(x):
-                names_in(getattr(x, fl.name))
-        elif isinstance(x, tuple):
-            for v in x:
-                names_in(v)
-    names_in(k.body)
+    scratch = {x.name for x in L.walk(k.body) if isinstance(x, (L.Alloc, L.Local))}
+    scratch |= {x.var.name for x in L.walk(k.body) if isinstance(x, L.For)}
     if scratch & set(new):
         return None
     mapping = {p.name: L.Param(n, p.dtype, p.size) for p, n in zip(k.params, new)}
-
-    def walk(x):
-        if isinstance(x, L.Param):
-            return mapping.get(x.name, x)
-        if is_dataclass(x) and not isinstance(x, type):
-            changes = {}
-            for fl in fields(x):
-                v = getattr(x, fl.name)
-                nv = walk(v)
-                if nv is not v:
-                    changes[fl.name] = nv
-            return replace(x, **changes) if changes else x
-        if isinstance(x, tuple):
-            t = tuple(walk(v) for v in x)
-            return t if any(a is not b for a, b in zip(t, x)) else x
-        return x
-    return k.replace(params=tuple(mapping[p.name] for p in k.params), body=walk(k.body))
+    body = L.map_nodes(k.body, lambda x: mapping.get(x.name, x) if isinstance(x, L.Param) else x)
+    return k.replace(params=tuple(mapping[p.name] for p in k.params), body=body)

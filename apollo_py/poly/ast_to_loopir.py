@@ -354,32 +354,17 @@ def mark_loops(stmt: L.Stmt, parallel: bool):
 
 
 def _stores(s) -> list:
-    if isinstance(s, L.Store):
-        return [s]
-    if isinstance(s, L.Block):
-        return [x for y in s.stmts for x in _stores(y)]
-    if isinstance(s, L.If):
-        return _stores(s.then) + (_stores(s.else_) if s.else_ is not None else [])
-    return []
+    """The Stores under ``s`` (callers pass loop bodies without inner loops)."""
+    return [x for x in L.walk(s) if isinstance(x, L.Store)]
 
 
 def _mentions(e, name: str) -> bool:
-    if isinstance(e, L.Var):
-        return e.name == name
-    return any(_mentions(getattr(e, f), name) for f in ("a", "b", "cond", "index")
-               if isinstance(getattr(e, f, None), L.Expr))
+    return any(isinstance(x, L.Var) and x.name == name for x in L.walk(e))
 
 
 def _has(s, cls) -> bool:
-    if isinstance(s, cls):
-        return True
-    if isinstance(s, L.Block):
-        return any(_has(x, cls) for x in s.stmts)
-    if isinstance(s, L.For):
-        return _has(s.body, cls)
-    if isinstance(s, L.If):
-        return _has(s.then, cls) or (s.else_ is not None and _has(s.else_, cls))
-    return False
+    """Whether statement ``s`` is or contains a ``cls`` statement."""
+    return any(isinstance(x, cls) for x in L.walk(s))
 
 
 def to_loop_ir(prog: PolyProgram, schedule: isl.Schedule, storage: Mapping[str, Storage], name: str,
@@ -441,14 +426,8 @@ def subst(node, name: str, rep: L.Expr):
 
 
 def _vars(e) -> set:
-    if isinstance(e, L.Var):
-        return {e.name}
-    out = set()
-    for f in ("a", "b", "cond", "index", "value"):
-        x = getattr(e, f, None)
-        if isinstance(x, L.Expr):
-            out |= _vars(x)
-    return out
+    """Names of the variables expression ``e`` reads."""
+    return {x.name for x in L.walk(e) if isinstance(x, L.Var)}
 
 
 _LANE_OPS = {"add": "sum", "mul": "prod", "max": "max", "min": "min"}
