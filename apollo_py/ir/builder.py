@@ -153,6 +153,10 @@ class GraphBuilder:
         setattr(GraphBuilder, attr, method)
         return getattr(self, attr)
 
+    def __dir__(self):
+        ops = {n for n in op_table().names() if n != "constant"}
+        return sorted(set(super().__dir__()) | ops | set(_ALIASES))
+
 
 #: friendlier names for some ops
 _ALIASES = {"select": "where", "logical_and": "and", "logical_or": "or", "logical_not": "not",
