@@ -8,8 +8,8 @@ from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoa
 from .machine import Machine
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
-from .api import CompiledGraph, jit
-from .plan import explain
+from . import ops  # noqa: F401  (registers the op table the IR consults: ir/optable.py)
+from .api import CompiledGraph, explain, jit
 
 __version__ = "0.1.0"
 

@@ -234,3 +234,10 @@ def jit(model: Any = None, *, target: str | None = None, options: Options | None
     if model is None:
         return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes)
     return CompiledGraph(load_program(model, input_shapes), opts, input_shapes)
+
+
+def explain(model: Any, options: Options | None = None, input_shapes: Any = None):
+    """The fusion plan of ``model`` (ONNX path/bytes/ModelProto, Graph) without running it.
+
+    Symbolic input dims need ``input_shapes``; the plan carries ``micro_graphs``."""
+    return jit(model, options=options, input_shapes=input_shapes).plan

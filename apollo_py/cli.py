@@ -28,7 +28,7 @@ def _load_inputs(pairs, compiled):
 
 
 def _cmd_explain(args, opts):
-    from . import explain
+    from .api import explain
     plan = explain(args.model, options=opts)
     print(plan.to_json() if args.json else plan)
 

@@ -30,14 +30,15 @@ def compile_graph(graph: Graph, options: Options):
 
     from .layers.blas_fold import fold_blas
     from .layers.lowering import lower_micro_graphs
+    from .runtime.blas import BlasStep, cblas
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
 
     progress.stage("layer 1 fusion", len(micro_graphs))
-    specs = fold_blas(lower_micro_graphs(graph, micro_graphs, options, progress), graph)
+    specs = fold_blas(lower_micro_graphs(graph, micro_graphs, options, progress), graph,
+                      blas_available=cblas() is not None)
     fused = [s.fused for s in specs if s.fused is not None]
     progress.stage("LLVM codegen", len(fused))
     compiled = iter(compile_kernels(fused, options.cache_dir, progress))
-    from .runtime.blas import BlasStep
     from .runtime.gemm_step import GemmStep
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None

@@ -14,18 +14,19 @@ is compiled once.  A cache directory of None keeps the cache in memory only.
 from __future__ import annotations
 
 import hashlib
-import sys
+import os
 import threading
-from collections import OrderedDict
 from functools import lru_cache
 from typing import Sequence
+
+from cachetools import LRUCache
 
 from ..cache import PieceCache, piece_key
 from . import loopir as L
 
 _CACHES: dict[str | None, PieceCache] = {}
 _LOADED_CAPACITY = 2048
-_LOADED: OrderedDict[str, object] = OrderedDict()   # key -> CompiledKernel, this process (LRU)
+_LOADED: LRUCache = LRUCache(_LOADED_CAPACITY)   # key -> CompiledKernel, this process
 _LOCK = threading.Lock()
 
 
@@ -42,10 +43,10 @@ def piece_cache(directory: str | None) -> PieceCache:
 def _backend_digest() -> str:
     """sha256 of the LLVM back end's own source (optimiser pipeline, object emission), so that
     a change there invalidates pieces even when the rendered text stays the same."""
-    from . import gemm, llvm
+    here = os.path.dirname(__file__)
     h = hashlib.sha256()
-    for mod in (llvm, gemm, sys.modules[__name__]):
-        with open(mod.__file__, "rb") as f:
+    for name in ("llvm.py", "gemm.py", "cached.py"):       # by file: gemm imports this module
+        with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 
@@ -66,7 +67,7 @@ def kernel_key(k: L.Kernel) -> tuple[str, str]:
     return piece_key(digest, "cpu", {"backend": _backend_digest()}), text
 
 
-_TEXTS: OrderedDict[str, str] = OrderedDict()      # key -> rendered text, not yet compiled
+_TEXTS: LRUCache = LRUCache(_LOADED_CAPACITY)      # key -> rendered text, not yet compiled
 
 
 def remember_text(key: str, text: str) -> None:
@@ -74,8 +75,6 @@ def remember_text(key: str, text: str) -> None:
     that a caller who needed the key early does not make codegen render the kernel twice."""
     with _LOCK:
         _TEXTS[key] = text
-        while len(_TEXTS) > _LOADED_CAPACITY:
-            _TEXTS.popitem(last=False)
 
 
 def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
@@ -114,13 +113,10 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
             cache.put(key, obj, {"kernel": k.name})
     with _LOCK:
         _LOADED[key] = ck
-        _LOADED.move_to_end(key)
-        while len(_LOADED) > _LOADED_CAPACITY:
-            _LOADED.popitem(last=False)
     return ck
 
 
-_ENGINES: OrderedDict[str, tuple] = OrderedDict()   # key -> (engine, ir) of whole modules
+_ENGINES: LRUCache = LRUCache(_LOADED_CAPACITY)    # key -> (engine, ir) of whole modules
 
 
 def compile_module(text: str, build, cache_dir: str | None, name: str):
@@ -156,8 +152,6 @@ def compile_module(text: str, build, cache_dir: str | None, name: str):
         cache.put(key, obj, {"module": name})
     with _LOCK:
         _ENGINES[key] = (engine, ir)
-        while len(_ENGINES) > _LOADED_CAPACITY:
-            _ENGINES.popitem(last=False)
     return engine, ir
 
 

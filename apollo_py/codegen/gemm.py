@@ -299,7 +299,7 @@ def _operand_index(op: EpiOperand, out_shape: tuple, row_dims: int, row: L.Expr,
 
 
 def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
-    from apollo_py.poly.ast_to_loopir import scalar_op
+    from apollo_py.codegen.scalar_ops import scalar_op
     tile = L.Param("tile", "float32", bl.mr * bl.nr)
     info = L.Param("info", "int64", 4)
     ops = [L.Param(f"in{q}", o.dtype, max(1, prod(o.shape))) for q, o in enumerate(d.operands)]

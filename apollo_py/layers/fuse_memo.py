@@ -19,9 +19,10 @@ feedback events: the first occurrence did.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Mapping, Sequence
+
+from cachetools import LRUCache
 
 from ..codegen import loopir as L
 from ..ir.graph import Node
@@ -29,7 +30,7 @@ from ..options import Options
 from .layer1 import fuse_micro_graph
 
 MAX_ENTRIES = 4096
-_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MEMO: LRUCache = LRUCache(MAX_ENTRIES)   # structural key -> (canonical nodes, fused kernels)
 _LOCK = threading.Lock()
 
 
@@ -60,8 +61,6 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
            tuple((c, types[v]) for v, c in names.items()), options)
     with _LOCK:
         hit = _MEMO.get(key)
-        if hit is not None:
-            _MEMO.move_to_end(key)
     if hit is None:
         cnodes = [n.replace(inputs=tuple(names[v] for v in n.inputs),
                             outputs=tuple(names[v] for v in n.outputs)) for n in nodes]
@@ -71,8 +70,6 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
         hit = (tuple(cnodes), tuple(fused))
         with _LOCK:
             _MEMO[key] = hit
-            while len(_MEMO) > MAX_ENTRIES:
-                _MEMO.popitem(last=False)
     cnodes, fused = hit
     back = {c: v for v, c in names.items()}
     real = {id(cn): n for cn, n in zip(cnodes, nodes)}

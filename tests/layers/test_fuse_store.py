@@ -30,11 +30,9 @@ def _feeds():
 
 def _new_process(monkeypatch):
     """Forget what this process compiled, as a new process would."""
-    monkeypatch.setattr(fuse_memo, "_MEMO", type(fuse_memo._MEMO)())
-    monkeypatch.setattr(cached, "_LOADED", type(cached._LOADED)())
-    monkeypatch.setattr(cached, "_ENGINES", type(cached._ENGINES)())
+    for mod, name in ((fuse_memo, "_MEMO"), (cached, "_LOADED"), (cached, "_ENGINES"), (cached, "_TEXTS")):
+        monkeypatch.setattr(mod, name, type(getattr(mod, name))(getattr(mod, name).maxsize))
     monkeypatch.setattr(cached, "_CACHES", {})
-    monkeypatch.setattr(cached, "_TEXTS", type(cached._TEXTS)())
 
 
 def test_loop_ir_round_trips_through_json():
