@@ -110,7 +110,8 @@ class CompiledGraph:
             shape = self._pinned.get(s.name) or s.dims
             if not all(isinstance(d, int) for d in shape):
                 raise InputError(f"input {s.name!r} has symbolic shape {s.describe()}: call the model "
-                                 "once or pass input_shapes= to see a plan")
+                                 "once or pass input_shapes= (on the command line: --shape "
+                                 f"{s.name}=D0,D1,...) to see a plan")
             shapes[s.name] = tuple(shape)
         return self.specialization(shapes).plan
 
