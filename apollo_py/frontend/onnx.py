@@ -300,7 +300,9 @@ def _input_spec(vi) -> InputSpec:
                              "needs the rank of every input")
     dims = []
     for d in tt.shape.dim:
-        if d.HasField("dim_value"):
+        # Exporters (PaddlePaddle, some torch paths) write -1 or 0 for a dynamic dim: symbolic,
+        # like a dim_param or a missing value.
+        if d.HasField("dim_value") and d.dim_value > 0:
             dims.append(int(d.dim_value))
         elif d.HasField("dim_param"):
             dims.append(d.dim_param)
