@@ -1,0 +1,142 @@
+"""The model zoo's small configurations (tests/models/zoo/*.onnx) against onnxruntime.
+
+Every family of benchmarks/zoo (CNNs, a UNet, vision transformers, encoders, decoders with causal
+masks, an encoder-decoder, DLRM, LSTM/GRU), as exported by torch.onnx's dynamo and TorchScript
+exporters (benchmarks/zoo/export.py --size small; committed, so no torch is needed here).  Each
+file is compiled by ``apollo_py.jit(path)`` for the "cpu" and "reference" targets and run on
+seeded random inputs (manifest.json gives shapes, dtypes and id ranges; text models also run a
+second sequence length through the same compiled function); the check is
+max|apollo - onnxruntime| / max|onnxruntime| <= 1e-4 per output.
+
+Each model runs in its own subprocess with a wall-time limit, so a compilation that hangs fails
+that test instead of hanging the suite.  Known failures are ``xfail(strict=True)`` with the
+reason (benchmarks/zoo/FAILURES.md has the diagnosis): when one is fixed the test turns XPASS
+and fails, so the mark is removed with the fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ZOO = Path(__file__).resolve().parent / "zoo"
+MANIFEST = json.loads((ZOO / "manifest.json").read_text()) if (ZOO / "manifest.json").exists() else {}
+FILES = sorted(k for k, v in MANIFEST.items() if "export_error" not in v and (ZOO / k).exists())
+RTOL = 1e-4
+TIME_LIMIT_S = 120  # per model, both targets; a hang in compilation ends here
+HANG_LIMIT_S = 15   # for the known hangs: each compiles in < 2 s of CPU on the reference target
+
+_LN_POOL_HANG = ("hangs (cpu target): layer 1 fusion, poly/schedule.py isl_schedule on Swin's final "
+                 "LayerNorm + global average pool, micro-graph 'div add sqrt reciprocal mul mul add "
+                 "reduce_sum' on [1,8,8,32] with row statistics on the lower-rank [1,8,8,1] domain "
+                 "(build_fused_schedule refuses it; isl's scheduler does not return); see "
+                 "test_layernorm_then_pool_schedules and benchmarks/zoo/FAILURES.md")
+# file -> reason: the failure as it stands (see benchmarks/zoo/FAILURES.md)
+KNOWN_FAILURES: dict[str, str] = {
+    "swin_small.dynamo.onnx": _LN_POOL_HANG,
+    "swin_small.torchscript.onnx": _LN_POOL_HANG,
+}
+HANGS = {"swin_small.dynamo.onnx", "swin_small.torchscript.onnx"}
+
+
+def make_inputs(rec: dict, alt: bool, seed: int) -> dict:
+    """Seeded random inputs for manifest record ``rec`` (its example or its alternative shapes)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for inp in rec["inputs"]:
+        shape = tuple(inp["alt_shape"] if alt else inp["shape"])
+        if "high" in inp:
+            feeds[inp["name"]] = rng.integers(0, inp["high"], shape).astype(inp["dtype"])
+        else:
+            feeds[inp["name"]] = rng.standard_normal(shape).astype(inp["dtype"])
+    return feeds
+
+
+def layernorm_pool_model(shape=(1, 8, 8, 32)):
+    """The minimal form of the Swin hang: LayerNormalization over C of an NHWC tensor, then
+    ReduceMean over H and W (Swin's final norm + global average pool)."""
+    from onnx import TensorProto, helper
+    c = shape[-1]
+    rng = np.random.default_rng(0)
+    inits = [helper.make_tensor("g", TensorProto.FLOAT, [c], (rng.random(c) + 0.5).astype(np.float32)),
+             helper.make_tensor("b", TensorProto.FLOAT, [c], rng.standard_normal(c).astype(np.float32)),
+             helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])]
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1, epsilon=1e-5, name="norm"),
+             helper.make_node("ReduceMean", ["n", "axes"], ["y"], keepdims=0, name="pool")]
+    g = helper.make_graph(nodes, "layernorm_pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def run_model(name: str) -> dict:
+    """Compile and compare one zoo file on both targets; returns a JSON-able report."""
+    import onnxruntime as ort
+
+    import apollo_py
+
+    if name == "layernorm_pool":
+        rec = {"family": "repro", "inputs": [{"name": "x", "shape": [1, 8, 8, 32], "dtype": "float32"}]}
+        path = layernorm_pool_model().SerializeToString()
+    else:
+        rec, path = MANIFEST[name], str(ZOO / name)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    shapes = [False, True] if rec["family"] in ("encoder", "decoder", "encdec") else [False]
+    report = {}
+    for target in ("cpu", "reference"):
+        f = apollo_py.jit(path, target=target)
+        for alt in shapes:
+            feeds = make_inputs(rec, alt, seed=7 + alt)
+            want = sess.run(None, feeds)
+            got = f(**feeds)
+            got = list(got) if isinstance(got, (tuple, list)) else [got]
+            errs = []
+            for g, w in zip(got, want):
+                g = np.asarray(g)
+                if g.shape != w.shape:
+                    errs.append(f"shape {g.shape} != {w.shape}")
+                    continue
+                d = float(np.max(np.abs(g.astype(np.float64) - w))) if w.size else 0.0
+                errs.append(d / max(float(np.max(np.abs(w))), 1e-30) if w.size else 0.0)
+            report[f"{target}{'/alt' if alt else ''}"] = errs if len(got) == len(want) else \
+                [f"{len(got)} outputs, expected {len(want)}"]
+    return report
+
+
+def _check_in_subprocess(name: str, tmp_path, limit: float) -> None:
+    env = dict(os.environ, APOLLO_PY_CACHE_DIR=str(tmp_path / "cache"))
+    try:
+        proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True,
+                              timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name}: jit + run did not finish in {limit} s (compilation hang?)")
+    if proc.returncode != 0:
+        pytest.fail(f"{name}: exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    bad = {k: v for k, v in report.items() if any(isinstance(e, str) or e > RTOL for e in v)}
+    assert not bad, f"{name}: max|Δ|/max|ref| above {RTOL}: {bad}"
+
+
+@pytest.mark.parametrize("name", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[f]))
+                                  if f in KNOWN_FAILURES else f for f in FILES])
+def test_zoo_small_matches_onnxruntime(name, tmp_path):
+    _check_in_subprocess(name, tmp_path, HANG_LIMIT_S if name in HANGS else TIME_LIMIT_S)
+
+
+@pytest.mark.xfail(strict=True, reason=_LN_POOL_HANG)
+def test_layernorm_then_pool_schedules(tmp_path):
+    # minimal reproducer of the Swin hang; at (1, 2, 2, 4) the same graph compiles
+    _check_in_subprocess("layernorm_pool", tmp_path, HANG_LIMIT_S)
+
+
+def test_every_family_is_present():
+    families = {v["builder"] for k, v in MANIFEST.items() if k in FILES}
+    assert len(families) >= 15, sorted(families)
+
+
+if __name__ == "__main__":  # the subprocess side of test_zoo_small_matches_onnxruntime
+    print(json.dumps(run_model(sys.argv[1])))
