@@ -102,10 +102,11 @@ def test_symbolic_plan_needs_a_shape():
 
 
 @pytest.mark.parametrize("target", ["reference", "cpu"])
-@pytest.mark.parametrize("dynamic", [-1, 0])
-def test_nonpositive_dim_value_is_symbolic(target, dynamic):
-    # PaddlePaddle writes the batch as dim_value -1 (some exporters 0) and leaves H, W unset:
-    # [-1, 3, ?, ?].  Both must be symbolic, not a fixed size -1 that every call fails.
+@pytest.mark.parametrize("dynamic,hw", [(-1, "unset"), (0, "unset"), (-1, "?")])
+def test_nonpositive_dim_value_is_symbolic(target, dynamic, hw):
+    # PaddlePaddle writes the batch as dim_value -1 (some exporters 0) and H, W unset or as the
+    # dim_param "?" (rapidocr's PP-OCR classifier: [-1, 3, ?, ?]).  All are symbolic and the two
+    # "?" are independent: not a fixed size -1, not one symbol that forces H == W.
     rng = np.random.default_rng(0)
     w = helper.make_tensor("w", TensorProto.FLOAT, [4, 3, 3, 3],
                            rng.standard_normal(4 * 3 * 3 * 3).astype(np.float32).tolist())
@@ -114,6 +115,8 @@ def test_nonpositive_dim_value_is_symbolic(target, dynamic):
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, None, None])
         for d in (2, 3):
             x.type.tensor_type.shape.dim[d].Clear()
+            if hw == "?":
+                x.type.tensor_type.shape.dim[d].dim_param = "?"
         y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
         nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
                  helper.make_node("Relu", ["c"], ["r"], name="relu"),
