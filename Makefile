@@ -32,6 +32,9 @@ bench: $(STAMP)
 zoo: $(STAMP)
 	$(BIN)/python -c "import torch, torchvision, timm, transformers, onnxscript" 2>/dev/null \
 		|| $(BIN)/python -m pip install --quiet -e '.[dev,zoo]'
+	# trained PP-OCR models (paddle2onnx exports) ship in this wheel; only its .onnx files are used
+	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('rapidocr_onnxruntime') is None)" \
+		|| $(BIN)/python -m pip install --quiet --no-deps 'rapidocr-onnxruntime==1.4.4'
 	$(BIN)/python benchmarks/zoo/export.py --size full
 	$(BIN)/python benchmarks/zoo.py $(ZOO_ARGS)
 

@@ -12,7 +12,8 @@ weights inside, in ``--out`` (default ``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apoll
 full zoo; ``tests/models/zoo`` holds the committed small ones).  ``manifest.json`` there records,
 per file, its inputs (shape, dtype, integer range) and a second set of shapes for the dynamic
 axes, torch's answer vs onnxruntime's, and why an export failed.  Existing files are kept unless
-``--force``.  Needs the ``zoo`` extra.
+``--force``.  The full zoo also takes the trained models that pip packages ship (``TRAINED``:
+rapidocr-onnxruntime's PP-OCR models).  Needs the ``zoo`` extra.
 """
 from __future__ import annotations
 
@@ -101,6 +102,35 @@ def check_with_ort(zm, path: Path) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
+# Trained models that pip packages ship as ONNX files (installed with --no-deps: only the files
+# are used).  rapidocr-onnxruntime: PaddleOCR's PP-OCR detector, recogniser and direction
+# classifier, exported by paddle2onnx (inputs [-1, 3, ?, ?]-style, opsets 11-12).
+TRAINED = {
+    "rapidocr_det": ("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx", [1, 3, 320, 320]),
+    "rapidocr_rec": ("rapidocr_onnxruntime", "models/ch_PP-OCRv4_rec_infer.onnx", [1, 3, 48, 320]),
+    "rapidocr_cls": ("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx", [1, 3, 48, 192]),
+}
+
+
+def collect_trained(out: Path, manifest: dict) -> None:
+    """Copy the TRAINED files of the installed packages into ``out`` with manifest records."""
+    import importlib.util
+    import shutil
+    for name, (pkg, rel, shape) in TRAINED.items():
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or spec.origin is None:
+            print(f"{name:40s} skipped: {pkg} is not installed (pip install --no-deps {pkg})")
+            continue
+        src = Path(spec.origin).parent / rel
+        key = f"{name}.trained.onnx"
+        shutil.copyfile(src, out / key)
+        alt = [shape[0] + 1] + shape[1:]
+        manifest[key] = {"family": "trained", "builder": name, "size": "full", "exporter": "paddle2onnx",
+                         "source": f"{pkg}/{rel}", "bytes": (out / key).stat().st_size,
+                         "inputs": [{"name": "x", "shape": shape, "dtype": "float32", "alt_shape": alt}]}
+        print(f"{key:40s} {manifest[key]['bytes'] / 1e3:9.1f} KB  from {pkg}")
+
+
 def main(argv=None) -> int:
     from zoo_models import FAMILIES, build
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,11 +139,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", choices=sorted(FAMILIES))
     ap.add_argument("--exporter", nargs="*", choices=EXPORTERS, default=list(EXPORTERS))
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--no-trained", action="store_true", help="skip the models pip packages ship")
     args = ap.parse_args(argv)
     out = args.out or default_dir(args.size)
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
     manifest = json.loads(mpath.read_text()) if mpath.exists() else {}
+    if args.size == "full" and not args.no_trained and not args.only:
+        collect_trained(out, manifest)
+        mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     for fam in args.only or list(FAMILIES):
         try:
             zm = build(fam, args.size)

@@ -73,6 +73,15 @@ def layernorm_pool_model(shape=(1, 8, 8, 32)):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def _rapidocr_cls_path() -> str | None:
+    import importlib.util
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")  # not imported: its deps are not installed
+    if spec is None or spec.origin is None:
+        return None
+    p = Path(spec.origin).parent / "models" / "ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    return str(p) if p.exists() else None
+
+
 def run_model(name: str) -> dict:
     """Compile and compare one zoo file on both targets; returns a JSON-able report."""
     import onnxruntime as ort
@@ -82,10 +91,14 @@ def run_model(name: str) -> dict:
     if name == "layernorm_pool":
         rec = {"family": "repro", "inputs": [{"name": "x", "shape": [1, 8, 8, 32], "dtype": "float32"}]}
         path = layernorm_pool_model().SerializeToString()
+    elif name == "rapidocr_cls":
+        rec = {"family": "trained", "inputs": [{"name": "x", "shape": [1, 3, 48, 192], "dtype": "float32",
+                                                "alt_shape": [3, 3, 48, 160]}]}
+        path = _rapidocr_cls_path()
     else:
         rec, path = MANIFEST[name], str(ZOO / name)
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    shapes = [False, True] if rec["family"] in ("encoder", "decoder", "encdec") else [False]
+    shapes = [False, True] if rec["family"] in ("encoder", "decoder", "encdec", "trained") else [False]
     report = {}
     for target in ("cpu", "reference"):
         f = apollo_py.jit(path, target=target)
@@ -125,6 +138,14 @@ def _check_in_subprocess(name: str, tmp_path, limit: float) -> None:
                                   if f in KNOWN_FAILURES else f for f in FILES])
 def test_zoo_small_matches_onnxruntime(name, tmp_path):
     _check_in_subprocess(name, tmp_path, HANG_LIMIT_S if name in HANGS else TIME_LIMIT_S)
+
+
+def test_trained_paddle_classifier(tmp_path):
+    # rapidocr-onnxruntime's PP-OCR direction classifier (paddle2onnx, opset 11), input declared
+    # [-1, 3, ?, ?]: issue #13's refused PaddlePaddle model; installed by `make zoo` (--no-deps)
+    if _rapidocr_cls_path() is None:
+        pytest.skip("rapidocr-onnxruntime is not installed (pip install --no-deps rapidocr-onnxruntime)")
+    _check_in_subprocess("rapidocr_cls", tmp_path, TIME_LIMIT_S)
 
 
 @pytest.mark.xfail(strict=True, reason=_LN_POOL_HANG)
