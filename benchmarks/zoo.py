@@ -219,17 +219,25 @@ def _run_worker(mode, path, cache_dir, args) -> dict:
                 "traceback": "\n".join(tail[-14:]), "wall_s": wall}
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     res["wall_s"] = wall
-    prog = [x for x in proc.stderr.splitlines() if x.startswith("apollo_py: compiling")]
+    prog = [x for x in proc.stderr.splitlines() if x.startswith(("apollo_py: compiling", "apollo_py: compiled"))]
     if prog:
         res["progress"] = _stage_times(prog)
     return res
 
 
 def _stage_times(lines: list) -> dict:
-    """Seconds per stage from progress lines ('apollo_py: compiling X: STAGE a/b, T s'): the time
-    between the first line of a stage and the first line of the next (progress starts at 2 s)."""
-    first = {}
+    """Seconds per stage from the progress lines ('apollo_py: compiling X: STAGE a/b, T s', then
+    'apollo_py: compiled X in T s'): from a stage's first line to the next stage's first line or
+    the final line.  Progress starts after 2 s, so stages that ended before then are missing and
+    the first stage listed also holds what came before it."""
+    first, end = {}, None
     for x in lines:
+        if x.startswith("apollo_py: compiled "):
+            try:
+                end = float(x.rsplit(" in ", 1)[1].rstrip(" s"))
+            except (IndexError, ValueError):
+                pass
+            continue
         body = x.split(": ", 2)[-1]
         stage, _, t = body.rpartition(", ")
         stage = stage.rsplit(" ", 1)[0]
@@ -238,8 +246,8 @@ def _stage_times(lines: list) -> dict:
         except ValueError:
             continue
     names = list(first)
-    return {n: round((first[names[i + 1]] if i + 1 < len(names) else float("nan")) - first[n], 2)
-            for i, n in enumerate(names)}
+    ends = [first[n] for n in names[1:]] + [end]
+    return {n: (round(e - first[n], 2) if e is not None else None) for n, e in zip(names, ends)}
 
 
 def run_model(path: Path, args) -> dict:
@@ -257,21 +265,23 @@ def _fmt(v, spec=".2f"):
 
 def table(rows: list) -> str:
     head = ("| model | cold s | warm s | apollo ms | ort-all ms | ort-none ms | apollo/ort-all | steps "
-            "| kernels | fallback | rel err | ort none-vs-all |")
-    out = [head, "|" + "|".join(["---"] * 12) + "|"]
+            "| kernels | fallback | rel err | ort none-vs-all | cold s by pass |")
+    out = [head, "|" + "|".join(["---"] * 13) + "|"]
     for r in rows:
         c, w = r["cold"], r.get("warm", {})
         if "error" in c:
-            out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | |")
+            where = c.get("stack", [""])[0].replace('File "', "").split("apollo_py/")[-1].replace('", line', ":")
+            out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | | {where} |")
             continue
+        passes = ", ".join(f"{k} {v}" for k, v in (c.get("progress") or {}).items())
         if "error" in w:
-            out.append(f"| {r['model']} | {c['compile_s']:.1f} | **{w['error'][:80]}** | | | | | | | | | |")
+            out.append(f"| {r['model']} | {c['compile_s']:.1f} | **{w['error'][:80]}** | | | | | | | | | | {passes} |")
             continue
         ratio = w["apollo_ms"] / w["ort_all_ms"] if w.get("ort_all_ms") else None
         fb = f"{w['fallback']} ({', '.join(w['fallback_ops'])})" if w["fallback"] else "0"
         out.append(f"| {r['model']} | {c['compile_s']:.1f} | {w['compile_s']:.2f} | {w['apollo_ms']:.3f} "
                    f"| {w['ort_all_ms']:.3f} | {w['ort_none_ms']:.3f} | {_fmt(ratio)} | {w['steps']} "
-                   f"| {w['kernels']} | {fb} | {w['rel_err']:.1e} | {w['ort_none_vs_all']:.1e} |")
+                   f"| {w['kernels']} | {fb} | {w['rel_err']:.1e} | {w['ort_none_vs_all']:.1e} | {passes} |")
     return "\n".join(out)
 
 
@@ -288,10 +298,19 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--write-results", action="store_true", help="replace the zoo table in benchmarks/RESULTS.md")
+    ap.add_argument("--from-json", nargs="*", type=Path, help="print (and --write-results) the table of "
+                    "earlier --json runs instead of running")
     args = ap.parse_args(argv)
     if args.worker:
         mode, path = args.worker
         print(json.dumps(worker(mode, path, args.cache, args.threads, args.rounds, args.dump_after)))
+        return 0
+    if args.from_json:
+        rows = [r for p in args.from_json for r in json.loads(p.read_text())]
+        text = table(rows)
+        print(text)
+        if args.write_results:
+            _write_results(text, args)
         return 0
     manifest = json.loads((args.dir / "manifest.json").read_text())
     names = sorted(k for k, v in manifest.items() if "export_error" not in v and (args.dir / k).exists())
