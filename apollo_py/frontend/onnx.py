@@ -304,9 +304,12 @@ def _input_spec(vi) -> InputSpec:
                              "needs the rank of every input")
     dims = []
     for d in tt.shape.dim:
-        if d.HasField("dim_value"):
+        # Exporters (PaddlePaddle, some torch paths) write -1 or 0 for a dynamic dim: symbolic,
+        # like a dim_param or a missing value.  paddle2onnx also writes the dim_param "?" for
+        # every unknown dim (H and W of [-1, 3, ?, ?]): a placeholder, not one shared symbol.
+        if d.HasField("dim_value") and d.dim_value > 0:
             dims.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
+        elif d.HasField("dim_param") and d.dim_param.strip() not in ("", "?"):
             dims.append(d.dim_param)
         else:
             dims.append(None)
