@@ -13,14 +13,16 @@ from .ir.types import DTYPES
 from .options import Options
 
 
-def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None) -> Program:
-    """Turn a model (ONNX path/bytes/ModelProto, Graph, or Program) into a Program."""
+def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None,
+                 options: Options | None = None) -> Program:
+    """Turn a model (ONNX path/bytes/ModelProto, Graph, or Program) into a Program
+    (``options.cache_dir`` remembers which model files passed the ONNX checker)."""
     if isinstance(model, Program):
         return model
     if isinstance(model, Graph):
         return GraphProgram(model)
     from .frontend.onnx import load_onnx
-    return load_onnx(model)
+    return load_onnx(model, options.cache_dir if options is not None else None)
 
 
 class CompiledGraph:
@@ -234,7 +236,7 @@ def jit(model: Any = None, *, target: str | None = None, options: Options | None
         opts = opts.replace(target=target)
     if model is None:
         return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes)
-    return CompiledGraph(load_program(model, input_shapes), opts, input_shapes)
+    return CompiledGraph(load_program(model, input_shapes, opts), opts, input_shapes)
 
 
 def explain(model: Any, options: Options | None = None, input_shapes: Any = None):
