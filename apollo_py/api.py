@@ -223,14 +223,27 @@ class CompiledGraph:
 
 
 def jit(model: Any = None, *, target: str | None = None, options: Options | None = None,
-        input_shapes: Mapping[str, tuple] | None = None):
-    """Compile ``model`` (ONNX path/bytes/ModelProto, a Graph) for ``target``.
-
-    Returns a :class:`CompiledGraph`.  ``input_shapes`` pins the shapes of symbolic inputs.
+        input_shapes: Mapping[str, tuple] | None = None, static_argnames=(), static_argnums=()):
+    """Compile ``model`` for ``target``: an ONNX path/bytes/ModelProto or a Graph gives a
+    :class:`CompiledGraph` (``input_shapes`` pins the shapes of symbolic inputs); a Python
+    function gives a :class:`~apollo_py.frontend.jit.JittedFunction` that traces it with numpy
+    semantics once per signature (``static_argnames`` / ``static_argnums``: arguments that are
+    settings, part of the signature, not arrays).  Usable as ``@jit`` or ``@jit(...)``.
     """
     opts = options or Options()
     if target is not None:
         opts = opts.replace(target=target)
     if model is None:
-        return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes)
+        return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes,
+                             static_argnames=static_argnames, static_argnums=static_argnums)
+    if callable(model) and not isinstance(model, (Graph, Program)):
+        from .frontend.jit import JittedFunction
+        if input_shapes:
+            raise InputError("jit: input_shapes applies to models; a traced function is "
+                             "specialised on the shapes it is called with")
+        if isinstance(static_argnames, str):
+            static_argnames = (static_argnames,)
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        return JittedFunction(model, opts, static_argnames, static_argnums)
     return CompiledGraph(load_program(model, input_shapes), opts, input_shapes)

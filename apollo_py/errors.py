@@ -45,3 +45,9 @@ class GraphError(ApolloError):
 
 class RuleError(ApolloError):
     """A partition rule table or user overlay is malformed."""
+
+
+class TraceError(ApolloError):
+    """A traced Python function did something tracing cannot record: a Python branch on a
+    traced value, an in-place update, a tracer used outside its trace (the message names the
+    file and line of the user's code and what to write instead)."""
