@@ -114,6 +114,21 @@ class CompiledGraph:
             shapes[s.name] = tuple(shape)
         return self.specialization(shapes).plan
 
+    def to_onnx(self, *example_args, **example_kwargs):
+        """The primitive graph as a standard ONNX model (:func:`apollo_py.export`), for the
+        shapes of the example inputs, else of the latest call, else the pinned/static shapes."""
+        from .frontend.export import to_onnx
+        if example_args or example_kwargs:
+            shapes = {k: v.shape for k, v in self._bind(example_args, example_kwargs).items()}
+        elif self._cache:
+            shapes = dict(zip(self.input_names, next(reversed(self._cache))))
+        else:
+            shapes = {s.name: tuple(self._pinned.get(s.name) or s.dims) for s in self.program.inputs}
+            bad = [k for k, v in shapes.items() if not all(isinstance(d, int) for d in v)]
+            if bad:
+                raise InputError(f"to_onnx: inputs {bad} have symbolic shapes; pass example inputs")
+        return to_onnx(self.program.specialize(shapes), name=self.program.name)
+
     def __call__(self, *args, out=None, **kwargs):
         outs = self.run(*args, out=out, **kwargs)
         return outs[0] if len(outs) == 1 else outs

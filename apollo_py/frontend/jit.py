@@ -183,7 +183,7 @@ class JittedFunction:
         self._cache: dict[Any, Traced] = {}
         self._last: Traced | None = None
         self._lock = threading.Lock()
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn, updated=())
 
     def _split(self, args, kwargs):
         """(static arguments, dynamic arguments), each name -> value, defaults applied."""
@@ -270,7 +270,10 @@ class JittedFunction:
     def to_onnx(self, *args, **kwargs):
         """The traced graph for these arguments as an ``onnx.ModelProto`` (see ap.export)."""
         from .export import to_onnx
-        return to_onnx(self.lower(*args, **kwargs))
+        tr = self._traced(args, kwargs)[0]
+        n = len(tr.graph.outputs)
+        _, paths, _ = flatten(unflatten(tr.out_tree, [np.zeros(())] * n), "out")
+        return to_onnx(tr.graph, name=self.fn.__name__, output_names=paths)
 
     def __repr__(self):
         return f"<apollo_py.jit {self.fn.__name__}{self._sig}: {len(self._cache)} signatures>"
