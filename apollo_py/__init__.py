@@ -19,7 +19,7 @@ __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilde
            "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 
 from .train import optim, train_step  # noqa: E402  (training API, DESIGN §12)
-from .train.grad import grad, value_and_grad  # noqa: E402
+from .train.transforms import grad, value_and_grad  # noqa: E402
 from .frontend.trace_control import cond, fori_loop, stop_gradient, where  # noqa: E402
 from .frontend.export import export  # noqa: E402
 from . import nn  # noqa: E402

@@ -155,6 +155,13 @@ def trace_to_graph(fn: Callable, args: tuple, kwargs: dict, name: str, options=N
     return graph, out_tree, [graph.inputs[k] for k in range(len(leaves))]
 
 
+def fn_name(fn) -> str:
+    """A readable name for a function, a functools.partial or a callable object."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 class JittedFunction:
     """``ap.jit(fn)``: call it like ``fn``; numpy arrays in, numpy arrays out.
 
@@ -166,18 +173,19 @@ class JittedFunction:
     def __init__(self, fn: Callable, options, static_argnames: Sequence[str] = (),
                  static_argnums: Sequence[int] = ()):
         self.fn = fn
+        self.name = fn_name(fn)
         self.options = options
         self._sig = inspect.signature(fn)
         params = list(self._sig.parameters)
         names = set(static_argnames or ())
         for i in static_argnums or ():
             if not 0 <= i < len(params):
-                raise InputError(f"static_argnums {i} is out of range for {fn.__name__}{self._sig}")
+                raise InputError(f"static_argnums {i} is out of range for {self.name}{self._sig}")
             names.add(params[i])
         unknown = names - set(params)
         if unknown and not any(p.kind == p.VAR_KEYWORD for p in self._sig.parameters.values()):
             raise InputError(f"static_argnames {sorted(unknown)} are not parameters of "
-                             f"{fn.__name__}{self._sig}")
+                             f"{self.name}{self._sig}")
         self.static_argnames = frozenset(names)
         self.trace_count = 0
         self._cache: dict[Any, Traced] = {}
@@ -190,7 +198,7 @@ class JittedFunction:
         try:
             bound = self._sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise InputError(f"{self.fn.__name__}: {e}") from None
+            raise InputError(f"{self.name}: {e}") from None
         bound.apply_defaults()
         static, dynamic = {}, {}
         for k, v in bound.arguments.items():
@@ -198,7 +206,7 @@ class JittedFunction:
                 try:
                     hash(v)
                 except TypeError:
-                    raise InputError(f"{self.fn.__name__}: static argument {k!r} must be hashable, "
+                    raise InputError(f"{self.name}: static argument {k!r} must be hashable, "
                                      f"got {type(v).__name__}") from None
                 static[k] = v
             else:
@@ -223,7 +231,7 @@ class JittedFunction:
                 if tr is None:
                     def body(*ls):
                         return self._call_fn(static, unflatten(treedef, ls))
-                    graph, out_tree, names = trace_to_graph(body, tuple(leaves), {}, self.fn.__name__,
+                    graph, out_tree, names = trace_to_graph(body, tuple(leaves), {}, self.name,
                                                             self.options, paths)
                     tr = Traced(graph, out_tree, names)
                     self.trace_count += 1
@@ -251,7 +259,7 @@ class JittedFunction:
     def plan(self):
         """The fusion plan of the most recently called signature."""
         if self._last is None or self._last.compiled is None:
-            raise InputError(f"{self.fn.__name__}: call the function once (or use explain(*args)) "
+            raise InputError(f"{self.name}: call the function once (or use explain(*args)) "
                              "to see a plan")
         return self._last.compiled.plan
 
@@ -273,7 +281,7 @@ class JittedFunction:
         tr = self._traced(args, kwargs)[0]
         n = len(tr.graph.outputs)
         _, paths, _ = flatten(unflatten(tr.out_tree, [np.zeros(())] * n), "out")
-        return to_onnx(tr.graph, name=self.fn.__name__, output_names=paths)
+        return to_onnx(tr.graph, name=self.name, output_names=paths)
 
     def __repr__(self):
-        return f"<apollo_py.jit {self.fn.__name__}{self._sig}: {len(self._cache)} signatures>"
+        return f"<apollo_py.jit {self.name}{self._sig}: {len(self._cache)} signatures>"

@@ -306,7 +306,7 @@ def _arg(kind, a, axis, keepdims):
     v = ctx.value_of(x)
     if axis is None:
         v, axis = ctx.b.reshape(v, shape=(x.size,)), 0
-    return ctx.wrap(arg_reduce(ctx.b, v, axis, bool(keepdims), False, kind))
+    return ctx.wrap(arg_reduce(ctx.b, v, axis, bool(keepdims), False, kind == "max"))
 
 
 @implements(np.argmax)

@@ -267,13 +267,14 @@ class TrainStep:
 
 
 def train_step(model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
-               params: Sequence[str] | None = None, target: str | None = "reference",
+               params: Sequence[str] | None = None, target: str | None = None,
                options: Options | None = None) -> TrainStep:
     """Build a :class:`TrainStep` for ``model`` (ONNX path/bytes/ModelProto or a Graph).
 
     ``loss``: "cross_entropy" (logits (B, C), int labels (B,)) or "mse" (labels shaped like the
     output); the model's first output is the prediction.  ``optimizer`` defaults to
     ``SGD(lr=1e-3)``.  ``params`` names the trainable constants (default: see module docs).
+    ``target``: where the step runs; None = ``options.target`` (default "cpu", as for ``jit``).
     """
     if loss not in LOSSES:
         raise InputError(f"train_step: unknown loss {loss!r}; choose one of {sorted(LOSSES)}")

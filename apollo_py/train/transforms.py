@@ -35,7 +35,9 @@ class ValueAndGrad:
     """``f`` transformed to return ``(value, grads)`` (or ``((value, aux), grads)``)."""
 
     def __init__(self, fn: Callable, argnums=0, has_aux: bool = False, value: bool = True):
+        from ..frontend.jit import fn_name
         self.fn, self.argnums, self.has_aux, self.value = fn, argnums, has_aux, value
+        self.name = fn_name(fn)
         self._jitted = None
         functools.update_wrapper(self, fn, updated=())
 
@@ -63,7 +65,7 @@ class ValueAndGrad:
         diff.extend([False] * (len(leaves) - len(diff)))
         for leaf, d in zip(leaves, diff):
             if d and np.dtype(leaf.dtype).kind != "f":
-                raise InputError(f"{self.fn.__name__}: cannot differentiate with respect to an array "
+                raise InputError(f"{self.name}: cannot differentiate with respect to an array "
                                  f"of dtype {np.dtype(leaf.dtype).name}; only float arrays")
 
         def body(*ls):
@@ -71,22 +73,22 @@ class ValueAndGrad:
             return self.fn(*a, **kw)
 
         from ..frontend.trace import TraceContext
-        sub = TraceContext(f"{self.fn.__name__}_vjp", parent=outer)
+        sub = TraceContext(f"{self.name}_vjp", parent=outer)
         graph, out_tree, names = _trace_child(sub, body, leaves)
         outs = graph.outputs
         if self.has_aux:
             if not (isinstance(out_tree, tuple) and out_tree[0] == "tuple" and len(out_tree[1]) == 2):
-                raise TraceError(f"{self.fn.__name__}: has_aux=True needs the function to return a "
+                raise TraceError(f"{self.name}: has_aux=True needs the function to return a "
                                  "(loss, aux) pair")
             loss_tree, aux_tree = out_tree[1]
         else:
             loss_tree, aux_tree = out_tree, None
         if loss_tree is not _leaf() or graph.types[outs[0]].shape != ():
-            raise TraceError(f"{user_frame()}: grad of {self.fn.__name__}: the function must return a "
+            raise TraceError(f"{user_frame()}: grad of {self.name}: the function must return a "
                              "scalar (shape ()) float array" + (" as the first of (loss, aux)"
                                                                 if self.has_aux else ""))
         if graph.types[outs[0]].dtype not in ("float16", "float32", "float64"):
-            raise TraceError(f"grad of {self.fn.__name__}: the loss has dtype "
+            raise TraceError(f"grad of {self.name}: the loss has dtype "
                              f"{graph.types[outs[0]].dtype}, not a float")
         wrt = [n for n, d in zip(names, diff) if d]
         g = graph_grad(graph, wrt, loss=0)
