@@ -247,7 +247,7 @@ class JittedFunction:
             from ..api import CompiledGraph
             from . import GraphProgram
             tr.compiled = CompiledGraph(GraphProgram(tr.graph), self.options)
-        arrays = [np.ascontiguousarray(x) for x in leaves]
+        arrays = [np.asarray(x) for x in leaves]  # run() makes them contiguous (0-d stays 0-d)
         outs = tr.compiled.run(*arrays)
         return unflatten(tr.out_tree, outs)
 
