@@ -222,7 +222,13 @@ class JittedFunction:
 
     def _traced(self, args, kwargs) -> tuple[Traced, list]:
         static, dynamic = self._split(args, kwargs)
-        leaves, paths, treedef = flatten(dynamic)
+        leaves, paths, subtrees = [], [], []
+        for k, v in dynamic.items():  # signature order, so that graph inputs follow it
+            ls, ps, t = flatten(v, k)
+            leaves += ls
+            paths += ps
+            subtrees.append(t)
+        treedef = ("dict", tuple(dynamic), tuple(subtrees))
         key = (treedef, tuple(leaf_spec(x) for x in leaves), tuple(sorted(static.items(), key=repr)))
         tr = self._cache.get(key)
         if tr is None:
