@@ -5,8 +5,9 @@ Public API: :func:`jit` (ONNX models, Graphs, and numpy-style Python functions),
 :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the error classes.  Heavy modules
 (onnx, islpy, llvmlite, pycuda) load on first use.
 """
-from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, RuleError,
-                     ShapeError, TraceError, UnsupportedOpError)
+from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
+                     RuleError, ShapeError, TraceError, UnsupportedOpError)
+from .machine import Machine
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
 from .api import CompiledGraph, jit
@@ -15,7 +16,7 @@ from .plan import explain
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
-           "InputError", "ModelLoadError", "Options", "RuleError", "ShapeError", "TensorType",
+           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "RuleError", "ShapeError", "TensorType",
            "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 
 from .train import optim, train_step  # noqa: E402  (training API, DESIGN §12)

@@ -1,4 +1,4 @@
-"""Command-line interface: ``apollo-py explain|run|cache|feedback``.
+"""Command-line interface: ``apollo-py explain|run|cache|feedback|machine``.
 
 Errors the user can cause (bad model, bad input) print one line ``error: ...`` and exit 2 —
 no traceback.
@@ -61,6 +61,21 @@ def _cmd_feedback(args, opts):
     print(report.render(opts, html=args.html))
 
 
+def _cmd_machine(args, opts):
+    import os
+    from . import machine as M
+    if args.reset:
+        path = M.machine_path(opts.cache_dir)
+        if os.path.exists(path):
+            os.remove(path)
+            print(f"removed {path}")
+    if args.preset:
+        m = M.preset(args.preset)
+    else:
+        m = M.measured_machine(opts.cache_dir, remeasure=args.measure)
+    print(M.machine_json(m) if args.json else M.as_text(m))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
     p.add_argument("--target", default=None, help="cpu (default) | reference")
@@ -78,13 +93,20 @@ def main(argv=None) -> int:
     fb = sub.add_parser("feedback", help="rule-feedback reports")
     fb.add_argument("action", choices=["report"])
     fb.add_argument("--html", action="store_true")
+    mc = sub.add_parser("machine", help="the machine figures the cost model uses, and where they came from")
+    mc.add_argument("--measure", action="store_true", help="measure again (and store when plausible)")
+    mc.add_argument("--reset", action="store_true", help="delete the stored figures first")
+    mc.add_argument("--preset", help="show a preset instead (" + ", ".join(sorted(__import__(
+        "apollo_py.machine", fromlist=["PRESETS"]).PRESETS)) + ")")
+    mc.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     opts = Options()
     if args.target:
         opts = opts.replace(target=args.target)
     if args.cache_dir:
         opts = opts.replace(cache_dir=args.cache_dir)
-    handlers = {"explain": _cmd_explain, "run": _cmd_run, "cache": _cmd_cache, "feedback": _cmd_feedback}
+    handlers = {"explain": _cmd_explain, "run": _cmd_run, "cache": _cmd_cache, "feedback": _cmd_feedback,
+                "machine": _cmd_machine}
     try:
         handlers[args.cmd](args, opts)
     except ApolloError as err:

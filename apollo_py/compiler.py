@@ -45,5 +45,5 @@ def compile_graph(graph: Graph, options: Options):
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))
     progress.done()
-    from .layers.cost import machine_for
-    return CpuExecutable(graph, steps, plan, options.num_threads, machine_for(options.cache_dir), options)
+    from .machine import resolve_machine
+    return CpuExecutable(graph, steps, plan, options.num_threads, resolve_machine(options), options)

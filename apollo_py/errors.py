@@ -47,6 +47,10 @@ class RuleError(ApolloError):
     """A partition rule table or user overlay is malformed."""
 
 
+class OptionsError(ApolloError):
+    """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
+
+
 class TraceError(ApolloError):
     """A traced Python function did something tracing cannot record: a Python branch on a
     traced value, an in-place update, a tracer used outside its trace (the message names the

@@ -189,7 +189,8 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
     reason = None
     try:
         prog = build_program(nodes, types, inputs, outputs, ctx)
-        fs, deps = schedule_program(prog, compute_dependences, budget_ops)
+        fs, deps = schedule_program(prog, compute_dependences, budget_ops,
+                                    options.schedule_timeout if budget is None else None)
         tiles = tuple(options.tile_sizes or ())[:fs.band]
         sched = tile_outer_band(fs.schedule, fs.band, tiles)
         storage = plan_storage(prog, sched)

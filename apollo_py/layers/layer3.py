@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .cost import Machine
+from ..machine import Machine
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ Fallback (:func:`isl_schedule`): the isl scheduler with ``schedule_whole_compone
 the defaults, each accepted only if it yields ONE group (an outer band over all statements).
 
 Every isl call here runs under ``Options.schedule_budget`` operations; going over raises
-:class:`BudgetExceeded` (the caller logs ``schedule_budget_exceeded`` and splits).
+:class:`BudgetExceeded` (the caller logs ``schedule_budget_exceeded`` and splits).  The isl
+scheduler, whose work the operations counter does not fully bound, also runs under a wall-time
+limit (``Options.schedule_timeout``) in a child process that is killed when it runs over
+(``poly/bounded.py``); that too is BudgetExceeded.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import islpy as isl
 
+from .bounded import ChildError, WallTimeExceeded, run_bounded
 from .statements import INIT, Dependences, PolyProgram, Statement
 
 _BUDGET_MSG = "maximal number of operations exceeded"
@@ -393,9 +397,36 @@ def tile_outer_band(sched: isl.Schedule, band: int, sizes) -> isl.Schedule:
     return node.band_tile(mv).get_schedule()
 
 
-def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[FusedSchedule, Dependences]:
+def bounded_isl_schedule(prog: PolyProgram, deps: Dependences, budget_ops: int,
+                         seconds: float | None) -> tuple[isl.Schedule, int, tuple]:
+    """:func:`isl_schedule` under ``budget_ops`` operations and ``seconds`` of wall time (a
+    child process, killed when over; None = in-process).  Raises BudgetExceeded (either limit)
+    or NotOneGroup."""
+    def compute() -> str:
+        with budget(prog.ctx, budget_ops):
+            return str(isl_schedule(prog, deps)[0])
+    try:
+        text = run_bounded(compute, seconds)
+    except WallTimeExceeded:
+        raise BudgetExceeded(f"isl scheduler stopped after the {seconds:g} s wall-time limit") from None
+    except ChildError as e:
+        if e.kind == "BudgetExceeded":
+            raise BudgetExceeded(e.message) from None
+        if e.kind == "NotOneGroup":
+            raise NotOneGroup(e.message) from None
+        raise
+    sched = isl.Schedule(text, context=prog.ctx)
+    got = _one_group(sched, prog)
+    if got is None:
+        raise NotOneGroup("the isl scheduler's schedule is not one group")
+    return sched, got[0], got[1]
+
+
+def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int,
+                     seconds: float | None = None) -> tuple[FusedSchedule, Dependences]:
     """Dependences + one-group schedule of ``prog``, each step within ``budget_ops`` isl
-    operations (the counter is reset before each step, as for each isl call in DESIGN §5).
+    operations (the counter is reset before each step, as for each isl call in DESIGN §5),
+    the isl scheduler also within ``seconds`` of wall time.
 
     ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then the isl
     scheduler.  Raises BudgetExceeded or NotOneGroup.
@@ -408,7 +439,6 @@ def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[Fused
             sched, nb, ext = build_fused_schedule(prog, deps)
         strategy = "direct"
     except NotOneGroup:
-        with budget(prog.ctx, budget_ops):
-            sched, nb, ext = isl_schedule(prog, deps)
+        sched, nb, ext = bounded_isl_schedule(prog, deps, budget_ops, seconds)
         strategy = "isl"
     return FusedSchedule(sched, nb, ext, strategy, (time.perf_counter() - t0) * 1e3), deps
