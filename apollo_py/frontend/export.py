@@ -3,8 +3,9 @@
 :func:`to_onnx` maps every primitive to standard ONNX ops (opset 17) and first *re-folds*
 compound patterns that have a standard op: the primitive chains that the ONNX importer and
 ``ap.nn`` produce for Softmax (reduce_max -> sub -> exp -> reduce_sum -> div) and LogSoftmax
-(reduce_max -> sub -> exp -> reduce_sum -> log -> sub) become one Softmax / LogSoftmax node when
-their intermediates have no other use.  ``onnx_op`` fallback nodes (control flow included)
+(reduce_max -> sub -> exp -> reduce_sum -> log -> sub) become one Softmax / LogSoftmax node, and
+the layer-norm chain (mean, centre, variance, eps, rsqrt, scale[, bias]) one LayerNormalization,
+when their intermediates have no other use.  ``onnx_op`` fallback nodes (control flow included)
 are written back as the ONNX node they came from.  The result passes ``onnx.checker`` and runs
 in onnxruntime.
 
@@ -136,7 +137,75 @@ class _Exporter:
                     continue
                 repl[n.outputs[0]] = ("LogSoftmax", x, mn.attrs["axes"][0])
                 folded.update(id(k) for k in (ln, sn, en, dn, mn))
+        for n in self.g.nodes:
+            if n.op == "mul" and id(n) not in folded:
+                hit = self._layer_norm(n)
+                if hit is not None:
+                    out, value, nodes = hit
+                    repl[out] = value
+                    folded.update(id(k) for k in nodes)
+                    folded.discard(id(self.g.producers[out]))
         return repl, folded
+
+    def _layer_norm(self, n: Node):
+        """The LayerNormalization chain of ``ops.compound.layer_norm`` ending in ``mul(yn, scale)``
+        (and an optional ``add(., bias)``): (output, replacement, nodes) or None."""
+        g, prod_ = self.g, self.g.producers
+
+        def p(v, op):
+            m = prod_.get(v)
+            return m if m is not None and m.op == op else None
+
+        def const(v):
+            c = g.constant_value(v)
+            return None if c is None or np.size(c) != 1 else float(np.asarray(c).reshape(-1)[0])
+
+        yn, scale = n.inputs
+        ynn = p(yn, "mul")
+        if ynn is None:
+            return None
+        d, inv = ynn.inputs
+        dn, invn = p(d, "sub"), p(inv, "reciprocal")
+        sdn = p(invn.inputs[0], "sqrt") if invn is not None else None
+        ven = p(sdn.inputs[0], "add") if sdn is not None else None
+        varn = p(ven.inputs[0], "div") if ven is not None else None
+        s2n = p(varn.inputs[0], "reduce_sum") if varn is not None else None
+        sqn = p(s2n.inputs[0], "mul") if s2n is not None else None
+        if dn is None or sqn is None or sqn.inputs != (d, d):
+            return None
+        x, mean = dn.inputs
+        meann = p(mean, "div")
+        s1n = p(meann.inputs[0], "reduce_sum") if meann is not None else None
+        if s1n is None or s1n.inputs[0] != x:
+            return None
+        xt = g.types[x]
+        axes = tuple(s1n.attrs["axes"])
+        if (axes != tuple(s2n.attrs["axes"]) or not axes or axes != tuple(range(axes[0], xt.rank))
+                or not s1n.attrs["keepdims"] or not s2n.attrs["keepdims"]):
+            return None
+        count = prod(xt.shape[a] for a in axes)
+        eps = const(ven.inputs[1])
+        if const(meann.inputs[1]) != count or const(varn.inputs[1]) != count or eps is None:
+            return None
+        norm = xt.shape[axes[0]:]
+        st = g.types[scale]
+        if st.dtype != xt.dtype or st.rank > len(norm) or tuple(np.broadcast_shapes(st.shape, norm)) != norm:
+            return None
+        chain = [ynn, dn, invn, sdn, ven, varn, s2n, sqn, meann, s1n]
+        uses = {yn: 1, inv: 1, invn.inputs[0]: 1, sdn.inputs[0]: 1, ven.inputs[0]: 1, varn.inputs[0]: 1,
+                s2n.inputs[0]: 1, mean: 1, meann.inputs[0]: 1, d: 2}
+        for v, k in uses.items():
+            if v in g.outputs or len(g.consumers.get(v, [])) != k:
+                return None
+        out, inputs = n.outputs[0], [x, scale]
+        cons = g.consumers.get(out, [])
+        if out not in g.outputs and len(cons) == 1 and cons[0].op == "add" and cons[0].inputs[0] == out:
+            bias = cons[0].inputs[1]
+            bt = g.types[bias]
+            if bt.dtype == xt.dtype and bt.rank <= len(norm) and tuple(np.broadcast_shapes(bt.shape, norm)) == norm:
+                chain.append(n)
+                out, inputs = cons[0].outputs[0], [x, scale, bias]
+        return out, ("LayerNormalization", inputs, axes[0], eps), chain
 
     # -- nodes ---------------------------------------------------------------------------
     def emit_all(self):
@@ -145,6 +214,10 @@ class _Exporter:
             if id(n) in folded:
                 continue
             r = repl.get(n.outputs[0]) if n.outputs else None
+            if r is not None and r[0] == "LayerNormalization":
+                self.node(r[0], [self.name(v) for v in r[1]], [self.name(n.outputs[0])], axis=int(r[2]),
+                          epsilon=float(r[3]))
+                continue
             if r is not None:
                 self.node(r[0], [self.name(r[1])], [self.name(n.outputs[0])], axis=int(r[2]))
                 continue
@@ -275,6 +348,28 @@ class _Exporter:
         return helper.make_tensor_value_info(name or self.name(v), _onnx_dtype(t.dtype), list(t.shape))
 
 
+def _used_names(nodes) -> set:
+    """Every name a node reads, inside subgraphs (If/Loop bodies read outer names) included."""
+    import onnx
+    used = set()
+    for nd in nodes:
+        used.update(nd.input)
+        for a in nd.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                used |= _used_names(a.g.node)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sub in a.graphs:
+                    used |= _used_names(sub.node)
+    return used
+
+
+def _prune_constants(ex: _Exporter, keep: set) -> None:
+    """Drop constants only folded-away nodes read (e.g. a softmax chain's)."""
+    used = _used_names(ex.nodes) | {ex.name(v) for v in keep}
+    ex.inits = [t for t in ex.inits if t.name in used]
+    ex.nodes = [nd for nd in ex.nodes if nd.op_type != "Constant" or nd.output[0] in used]
+
+
 def graph_proto(graph: Graph, prefix: str = "", top: bool = False, input_names=None, name=None):
     """``graph`` as an ONNX GraphProto.  ``input_names``: graph input -> name to use (for
     subgraphs whose inputs are outer values, e.g. captures); those are then not declared
@@ -284,6 +379,7 @@ def graph_proto(graph: Graph, prefix: str = "", top: bool = False, input_names=N
     outer = dict(input_names or {})
     ex.names.update(outer)
     ex.emit_all()
+    _prune_constants(ex, set(graph.outputs) | set(outer.values()))
     inputs = [ex.value_info(v) for v in graph.inputs if v not in outer]
     outputs = [ex.value_info(v) for v in graph.outputs]
     return helper.make_graph(ex.nodes, name or graph.name, inputs, outputs, initializer=ex.inits)

@@ -26,15 +26,23 @@ def op_types(model):
 def test_export_refolds_softmax_and_log_softmax_and_runs_in_onnxruntime():
     x = P["x_attn"]
 
+    g, b = P["transformer"]["lnf_g"], P["transformer"]["lnf_b"]
+
     def f(x):
-        return ap.nn.softmax(x * 2.0), ap.nn.log_softmax(x, axis=1), np.exp(x - x.max(-1, keepdims=True)).sum(-1)
+        return (ap.nn.softmax(x * 2.0), ap.nn.log_softmax(x, axis=1),
+                np.exp(x - x.max(-1, keepdims=True)).sum(-1), ap.nn.layer_norm(x, g, b, eps=1e-3))
     m = ap.export(f, x)
     onnx.checker.check_model(m, full_check=True)
     ops = op_types(m)
-    assert ops.count("Softmax") == 1 and ops.count("LogSoftmax") == 1
+    assert ops.count("Softmax") == 1 and ops.count("LogSoftmax") == 1 and ops.count("LayerNormalization") == 1
     assert "Exp" in ops      # the third output's exp is shared: not a softmax pattern
+    ln = next(n for n in m.graph.node if n.op_type == "LayerNormalization")
+    assert onnx.helper.get_attribute_value(ln.attribute[1] if ln.attribute[0].name == "axis" else ln.attribute[0]) \
+        == pytest.approx(1e-3)
+    used = {i for n in m.graph.node for i in n.input}
+    assert all(t.name in used for t in m.graph.initializer)   # the folded chains' constants are gone
     assert [i.name for i in m.graph.input] == ["x"]
-    assert [o.name for o in m.graph.output] == ["out[0]", "out[1]", "out[2]"]
+    assert [o.name for o in m.graph.output] == ["out[0]", "out[1]", "out[2]", "out[3]"]
     for got, want in zip(run_ort(m, {"x": x}), ap.jit(f)(x)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -80,6 +88,7 @@ def test_compiled_graph_to_onnx_round_trips_an_imported_model():
     m = cg.to_onnx()
     onnx.checker.check_model(m)
     assert "Softmax" in op_types(m)   # the imported Softmax came back as one node
+    assert op_types(m).count("LayerNormalization") == 2
     np.testing.assert_allclose(run_ort(m, wl.inputs)[0], want, rtol=1e-4, atol=1e-4)
 
 
