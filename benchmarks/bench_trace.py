@@ -12,8 +12,10 @@ Each contender's first output is checked against plain numpy (rtol 1e-4) before 
 Timing: all contenders of a workload run in one process, interleaved round-robin after 2
 warm-up calls; a sample is the mean of ``reps`` calls and each contender's time is the median of
 ``rounds`` samples, so background load hits all alike.  Ratios are medians of per-round ratios.
-``compile s`` is the wall time of the first call (trace + compile + run).  jax and torch are
-optional: absent ones are reported as such.
+``first call s`` is the wall time of the first call (trace + compile + run).  jax and torch
+are optional: absent ones are left out.  ``--threads N`` pins every contender to N threads:
+on a shared machine torch's OpenMP threads spin badly when other processes hold the cores
+(layernorm [512,768] measured 24 ms per call with 2 threads at load 6, 0.4-0.6 ms with 1).
 """
 from __future__ import annotations
 
@@ -149,7 +151,8 @@ def contenders(name, wl, args):
     def plain(*xs):
         return fn(NumpyXP, *xs, *params.values())
     out["numpy"] = (plain, inputs)
-    jf = ap.jit(lambda *xs: fn(NumpyXP, *xs, *params.values()))
+    jf = ap.jit(lambda *xs: fn(NumpyXP, *xs, *params.values()),
+                options=ap.Options(num_threads=args.threads) if args.threads else None)
     out["apollo jit"] = (jf, inputs)
     if not args.no_jax:
         try:
@@ -164,10 +167,12 @@ def contenders(name, wl, args):
     if not args.no_torch:
         try:
             import torch
-            tp = {k: torch.from_numpy(v) for k, v in params.items()}
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            tp = {k: torch.from_numpy(v.copy()) for k, v in params.items()}
             tx = torch_xp()
             tc = torch.compile(lambda *xs: fn(tx, *xs, *tp.values()))
-            tin = [torch.from_numpy(x) for x in inputs]
+            tin = [torch.from_numpy(x.copy()) for x in inputs]
             out["torch.compile"] = (lambda *xs: tc(*xs), tin)
         except ImportError:
             pass
@@ -247,7 +252,12 @@ def main(argv=None):
     ap_.add_argument("--no-jax", action="store_true")
     ap_.add_argument("--no-torch", action="store_true")
     ap_.add_argument("--markdown", action="store_true")
+    ap_.add_argument("--threads", type=int, default=None,
+                     help="pin apollo's pool, torch's intra-op threads and XLA (1: no Eigen pool) to N")
     args = ap_.parse_args(argv)
+    if args.threads == 1:  # read by XLA when jax first loads, below
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                                   "intra_op_parallelism_threads=1").strip()
     rows = []
     for name in args.only or list(FUNCS):
         r = run_workload(name, args)
