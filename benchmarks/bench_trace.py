@@ -5,7 +5,8 @@ the same functions, and plain numpy.
 
 The seven memory-bound workloads of ``workloads.py`` (layernorm, softmax, logsoftmax,
 bias_gelu, bias_maxpool, bias_reducesum, four_branches; same sizes and data) written once as
-Python against a small array namespace ``xp``: numpy (plain, and traced by ``ap.jit``),
+Python against a small array namespace ``xp``: numpy (plain, and traced by ``ap.jit``; the
+workload's ONNX model through ``ap.jit`` too, as the same-pipeline reference),
 ``jax.numpy`` (under ``jax.jit``) and a torch shim (under ``torch.compile``, CPU inductor).
 Each contender's first output is checked against plain numpy (rtol 1e-4) before timing.
 
@@ -154,6 +155,10 @@ def contenders(name, wl, args):
     jf = ap.jit(lambda *xs: fn(NumpyXP, *xs, *params.values()),
                 options=ap.Options(num_threads=args.threads) if args.threads else None)
     out["apollo jit"] = (jf, inputs)
+    # the same workload's ONNX model through apollo's ONNX import: tracing should cost nothing
+    onnx_f = ap.jit(wl.model, options=ap.Options(num_threads=args.threads) if args.threads else None)
+    feeds = dict(wl.inputs)
+    out["apollo onnx"] = (lambda *xs: onnx_f(**feeds), inputs)
     if not args.no_jax:
         try:
             import jax

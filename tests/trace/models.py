@@ -61,6 +61,46 @@ class NumpyNN:
         return NumpyNN.softmax(s) @ v
 
 
+def jax_nn():
+    """The NumpyNN helpers on jax.numpy (for comparing gradients with jax.grad)."""
+    import jax
+    import jax.numpy as jnp
+
+    class JaxNN:
+        relu = staticmethod(lambda x: jnp.maximum(x, 0))
+        softmax = staticmethod(lambda x, axis=-1: jax.nn.softmax(x, axis=axis))
+        log_softmax = staticmethod(lambda x, axis=-1: jax.nn.log_softmax(x, axis=axis))
+        gelu = staticmethod(lambda x, approximate=False: jax.nn.gelu(x, approximate=False))
+        embedding = staticmethod(lambda ids, table: table[ids])
+
+        @staticmethod
+        def layer_norm(x, scale=None, bias=None, axis=-1, eps=1e-5):
+            m = x.mean(axis=-1, keepdims=True)
+            v = ((x - m) ** 2).mean(axis=-1, keepdims=True)
+            y = (x - m) / jnp.sqrt(v + eps)
+            y = y * scale if scale is not None else y
+            return y + bias if bias is not None else y
+
+        @staticmethod
+        def conv2d(x, w, b=None, stride=1, padding=0):
+            y = jax.lax.conv_general_dilated(x, w, (stride, stride), [(padding, padding)] * 2)
+            return y + b[None, :, None, None] if b is not None else y
+
+        @staticmethod
+        def max_pool2d(x, k):
+            n, c, h, w = x.shape
+            return x.reshape(n, c, h // k, k, w // k, k).max(axis=(3, 5))
+
+        @staticmethod
+        def attention(q, k, v, mask=None, scale=None, causal=False):
+            s = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+            if causal:
+                n = s.shape[-1]
+                s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+            return jax.nn.softmax(s, axis=-1) @ v
+    return JaxNN
+
+
 def mlp(nn, p, x):
     return nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 

@@ -95,7 +95,8 @@ def test_softmax_layernorm_chain_gradient_wrt_input_and_argnums():
     _directional_check(lambda p: chain(M.NumpyNN, *p), (x, g, b), (), grads)
 
 
-@pytest.mark.parametrize("name", ["layernorm", "bias_gelu", "bias_maxpool", "four_branches", "logsoftmax"])
+@pytest.mark.parametrize("name", ["layernorm", "softmax", "logsoftmax", "bias_gelu", "bias_maxpool",
+                                  "bias_reducesum", "four_branches"])
 def test_memory_bound_workload_gradients(name):
     import sys
     from pathlib import Path
@@ -113,22 +114,21 @@ def test_memory_bound_workload_gradients(name):
     _directional_check(lambda p: loss(*p), arrays, (), grads, rtol=1e-6)
 
 
-def test_jax_grad_agrees_where_installed():
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_jax_grad_agrees_where_installed(name):
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)
-    jnp = jax.numpy
-    p, x = P64["mlp"], P64["x_mlp"]
-
-    def loss_j(p, x):
-        h = jnp.maximum(x @ p["w1"] + p["b1"], 0)
-        return jnp.sum(jnp.tanh(h @ p["w2"] + p["b2"]))
-
-    def loss_a(p, x):
-        return np.sum(np.tanh(ap.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]))
-    ga = ap.grad(loss_a)(p, x)
-    gj = jax.grad(loss_j)(p, x)
-    for k in p:
-        np.testing.assert_allclose(ga[k], np.asarray(gj[k]), rtol=1e-10, atol=1e-12)
+    model, pk, xk = CASES[name]
+    x = P64[xk]
+    out_shape = model(M.NumpyNN, P64[pk], x).shape
+    w = np.random.default_rng(5).standard_normal(out_shape)
+    ga = ap.grad(lambda p, x: np.sum(model(ap.nn, p, x) * w))(P64[pk], x)
+    jnn = M.jax_nn()
+    gj = jax.grad(lambda p, x: (model(jnn, p, x) * w).sum())(P64[pk], x)
+    got, want = _leaves(ga), _leaves(_tree_map(lambda _, g: np.asarray(g), ga, gj))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
 
 
 def test_has_aux_closures_and_errors():
