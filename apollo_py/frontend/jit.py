@@ -48,47 +48,52 @@ def is_array_leaf(x) -> bool:
 def flatten(tree, path: str = "") -> tuple[list, list[str], Any]:
     """(array leaves, their paths, hashable tree definition).  Python scalars, None and strings
     are part of the definition (static), not leaves."""
-    leaves, paths = [], []
-
-    def rec(x, p):
-        if is_array_leaf(x):
-            leaves.append(x)
-            paths.append(p or "arg")
-            return LEAF
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-            return ("namedtuple", type(x), tuple(rec(v, f"{p}.{f}") for f, v in zip(x._fields, x)))
-        if isinstance(x, (tuple, list)):
-            return (type(x).__name__, tuple(rec(v, f"{p}[{k}]") for k, v in enumerate(x)))
-        if isinstance(x, dict):
-            keys = sorted(x, key=repr)
-            return ("dict", tuple(keys), tuple(rec(x[k], f"{p}.{k}" if p else str(k)) for k in keys))
-        if x is None or isinstance(x, (bool, int, float, str, np.dtype, type)):
-            return ("static", type(x).__name__, x)
-        raise InputError(f"argument {p or 'arg'!r}: a {type(x).__name__} is neither an array nor a "
-                         "tuple/list/dict of arrays; mark the argument static (static_argnames) "
-                         "if it is a setting")
-
-    treedef = rec(tree, path)
+    leaves: list = []
+    paths: list[str] = []
+    treedef = _flatten(tree, path, leaves, paths)
     return leaves, paths, treedef
 
 
+# module-level recursion, not a nested self-referencing closure: such a closure is a reference
+# cycle that kept a call's output arrays alive until the cyclic GC ran, so the runtime's
+# output pool could not reuse them (softmax [768,128,128]: 82 ms a call against 6 ms)
+def _flatten(x, p, leaves, paths):
+    if is_array_leaf(x):
+        leaves.append(x)
+        paths.append(p or "arg")
+        return LEAF
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return ("namedtuple", type(x), tuple(_flatten(v, f"{p}.{f}", leaves, paths) for f, v in zip(x._fields, x)))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_flatten(v, f"{p}[{k}]", leaves, paths) for k, v in enumerate(x)))
+    if isinstance(x, dict):
+        keys = sorted(x, key=repr)
+        return ("dict", tuple(keys), tuple(_flatten(x[k], f"{p}.{k}" if p else str(k), leaves, paths)
+                                           for k in keys))
+    if x is None or isinstance(x, (bool, int, float, str, np.dtype, type)):
+        return ("static", type(x).__name__, x)
+    raise InputError(f"argument {p or 'arg'!r}: a {type(x).__name__} is neither an array nor a "
+                     "tuple/list/dict of arrays; mark the argument static (static_argnames) "
+                     "if it is a setting")
+
+
 def unflatten(treedef, leaves) -> Any:
-    it = iter(leaves)
+    """The tree of ``treedef`` with its array leaves taken from ``leaves`` in order."""
+    return _unflatten(treedef, iter(leaves))
 
-    def rec(d):
-        if d is LEAF:
-            return next(it)
-        kind = d[0]
-        if kind == "static":
-            return d[2]
-        if kind == "namedtuple":
-            return d[1](*(rec(c) for c in d[2]))
-        if kind == "dict":
-            return {k: rec(c) for k, c in zip(d[1], d[2])}
-        items = [rec(c) for c in d[1]]
-        return tuple(items) if kind == "tuple" else items
 
-    return rec(treedef)
+def _unflatten(d, it):
+    if d is LEAF:
+        return next(it)
+    kind = d[0]
+    if kind == "static":
+        return d[2]
+    if kind == "namedtuple":
+        return d[1](*(_unflatten(c, it) for c in d[2]))
+    if kind == "dict":
+        return {k: _unflatten(c, it) for k, c in zip(d[1], d[2])}
+    items = [_unflatten(c, it) for c in d[1]]
+    return tuple(items) if kind == "tuple" else items
 
 
 def leaf_spec(x) -> tuple:
