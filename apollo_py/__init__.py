@@ -10,8 +10,8 @@ from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoa
 from .machine import Machine
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
-from .api import CompiledGraph, jit
-from .plan import explain
+from . import ops  # noqa: F401  (registers the op table the IR consults: ir/optable.py)
+from .api import CompiledGraph, explain, jit
 
 __version__ = "0.1.0"
 
@@ -22,7 +22,7 @@ __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilde
 from .train import optim, train_step  # noqa: E402  (training API, DESIGN §12)
 from .train.transforms import grad, value_and_grad  # noqa: E402
 from .frontend.trace_control import cond, fori_loop, stop_gradient, where  # noqa: E402
-from .frontend.export import export  # noqa: E402
+from .frontend.jit import export  # noqa: E402
 from . import nn  # noqa: E402
 
 __all__ += ["cond", "export", "fori_loop", "grad", "nn", "optim", "stop_gradient", "train_step",

@@ -27,16 +27,35 @@ def _load_inputs(pairs, compiled):
     return feeds
 
 
+def parse_shapes(pairs) -> dict[str, tuple]:
+    """``--shape NAME=D0,D1,...`` options as ``{name: (d0, d1, ...)}`` (``NAME=`` is rank 0)."""
+    shapes: dict[str, tuple] = {}
+    for p in pairs or []:
+        name, sep, dims = p.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
+            if any(d < 0 for d in shape):
+                raise ValueError
+        except ValueError:
+            raise ApolloError(f"--shape expects NAME=D0,D1,... with dims >= 0, got {p!r}") from None
+        if name in shapes:
+            raise ApolloError(f"--shape gives input {name!r} twice")
+        shapes[name] = shape
+    return shapes
+
+
 def _cmd_explain(args, opts):
-    from . import explain
-    plan = explain(args.model, options=opts)
+    from .api import explain
+    plan = explain(args.model, options=opts, input_shapes=parse_shapes(args.shape) or None)
     print(plan.to_json() if args.json else plan)
 
 
 def _cmd_run(args, opts):
     import numpy as np
     from .api import jit
-    f = jit(args.model, options=opts)
+    f = jit(args.model, options=opts, input_shapes=parse_shapes(args.shape) or None)
     outs = f.run(**_load_inputs(args.input, f))
     for name, arr in zip(f.output_names, outs):
         if args.out:
@@ -84,10 +103,14 @@ def main(argv=None) -> int:
     e = sub.add_parser("explain", help="print the fusion plan of a model")
     e.add_argument("model")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                   help="shape of an input with symbolic dims (repeat per input)")
     r = sub.add_parser("run", help="run a model on .npy inputs")
     r.add_argument("model")
     r.add_argument("--input", action="append", metavar="NAME=FILE.npy")
     r.add_argument("--out", help="directory to write outputs as .npy")
+    r.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                   help="pin the shape of an input with symbolic dims (the inputs must match)")
     c = sub.add_parser("cache", help="inspect or clear the piecewise JIT cache")
     c.add_argument("action", choices=["info", "clear"])
     fb = sub.add_parser("feedback", help="rule-feedback reports")

@@ -285,12 +285,10 @@ def load_machine(cache_dir: str) -> Machine | None:
 
 def save_machine(cache_dir: str, machine: Machine) -> str:
     """Write ``machine`` to ``<cache_dir>/machine.json`` atomically; returns the path."""
+    from .fsutil import atomic_write
     path = machine_path(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"figures": machine.figures(), "notes": machine.notes}, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"figures": machine.figures(), "notes": machine.notes}, indent=1).encode())
     return path
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import ShapeError
+from .frontend import trace_numpy  # noqa: F401  (fills trace.RULES)
 from .frontend.trace import TraceContext, Tracer, current, to_value
 from .ops import compound as C
 

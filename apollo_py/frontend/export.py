@@ -11,7 +11,7 @@ in onnxruntime.
 
 :func:`export` is the user entry: ``ap.export(fn, *example_args)`` for a Python function (traced
 for those arguments), a jitted function, a :class:`~apollo_py.api.CompiledGraph` (its latest
-specialisation) or a Graph.
+specialisation) or a Graph (``export`` lives in :mod:`.jit`, which traces).
 """
 from __future__ import annotations
 
@@ -411,22 +411,3 @@ def _rename(graph: Graph, ren: dict) -> Graph:
     types = {r(k): t for k, t in graph.types.items()}
     return graph.replace(inputs=tuple(map(r, graph.inputs)), outputs=tuple(map(r, graph.outputs)),
                          nodes=nodes, types=types)
-
-
-def export(fn, *example_args, **example_kwargs):
-    """``fn`` as an ``onnx.ModelProto``: a Python function (traced on the example arguments),
-    an ``ap.jit`` function, a CompiledGraph (latest specialisation, or traced for the example
-    arguments) or a Graph.  Inputs are named after the arguments (``params.w1`` for a dict
-    entry); outputs ``out``, ``out[0]``..."""
-    from ..api import CompiledGraph
-    from .jit import JittedFunction
-    if isinstance(fn, Graph):
-        return to_onnx(fn)
-    if isinstance(fn, CompiledGraph):
-        return fn.to_onnx(*example_args, **example_kwargs)
-    if isinstance(fn, JittedFunction):
-        return fn.to_onnx(*example_args, **example_kwargs)
-    if callable(fn):
-        from ..api import jit
-        return jit(fn).to_onnx(*example_args, **example_kwargs)
-    raise InputError(f"export: expected a function, a CompiledGraph or a Graph, got {type(fn).__name__}")

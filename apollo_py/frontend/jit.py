@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import InputError, TraceError
 from ..ir.graph import Graph
 from ..ir.types import DTYPES
+from . import trace_numpy  # noqa: F401  (fills trace.RULES: tracers follow numpy)
 from .trace import TraceContext, Tracer, current, to_value
 
 
@@ -176,8 +177,11 @@ class JittedFunction:
     """
 
     def __init__(self, fn: Callable, options, static_argnames: Sequence[str] = (),
-                 static_argnums: Sequence[int] = ()):
+                 static_argnums: Sequence[int] = (), make_compiled: Callable | None = None):
         self.fn = fn
+        # (graph, options) -> a callable compiled graph; passed in by ``apollo_py.api.jit`` (the
+        # front end sits below the API floor and does not import it); None: trace/export only
+        self._make_compiled = make_compiled
         self.name = fn_name(fn)
         self.options = options
         self._sig = inspect.signature(fn)
@@ -254,13 +258,18 @@ class JittedFunction:
         if current() is not None:
             return self.fn(*args, **kwargs)  # inside another trace: inline
         tr, leaves = self._traced(args, kwargs)
-        if tr.compiled is None:
-            from ..api import CompiledGraph
-            from . import GraphProgram
-            tr.compiled = CompiledGraph(GraphProgram(tr.graph), self.options)
+        self._compile(tr)
         arrays = [np.asarray(x) for x in leaves]  # run() makes them contiguous (0-d stays 0-d)
         outs = tr.compiled.run(*arrays)
         return unflatten(tr.out_tree, outs)
+
+    def _compile(self, tr: Traced):
+        if tr.compiled is None:
+            if self._make_compiled is None:
+                raise InputError(f"{self.name}: this traced function was made for export only; "
+                                 "use apollo_py.jit to run it")
+            tr.compiled = self._make_compiled(tr.graph, self.options)
+        return tr.compiled
 
     def lower(self, *args, **kwargs) -> Graph:
         """The primitive graph traced for these arguments (traced now if new; not compiled)."""
@@ -279,11 +288,7 @@ class JittedFunction:
         the latest call when none are given."""
         if args or kwargs:
             tr, _ = self._traced(args, kwargs)
-            if tr.compiled is None:
-                from ..api import CompiledGraph
-                from . import GraphProgram
-                tr.compiled = CompiledGraph(GraphProgram(tr.graph), self.options)
-            return tr.compiled.plan
+            return self._compile(tr).plan
         return self.plan
 
     def to_onnx(self, *args, **kwargs):
@@ -296,3 +301,18 @@ class JittedFunction:
 
     def __repr__(self):
         return f"<apollo_py.jit {self.name}{self._sig}: {len(self._cache)} signatures>"
+
+
+def export(fn, *example_args, **example_kwargs):
+    """``fn`` as an ``onnx.ModelProto`` of standard ops (:mod:`.export`): a Python function
+    (traced on the example arguments), an ``ap.jit`` function or a CompiledGraph (anything with
+    ``to_onnx``), or a Graph.  Inputs are named after the arguments (``params.w1`` for a dict
+    entry); outputs ``out``, ``out[0]``..."""
+    from .export import to_onnx
+    if isinstance(fn, Graph):
+        return to_onnx(fn)
+    if hasattr(fn, "to_onnx"):
+        return fn.to_onnx(*example_args, **example_kwargs)
+    if callable(fn):
+        return JittedFunction(fn, None).to_onnx(*example_args, **example_kwargs)
+    raise InputError(f"export: expected a function, a CompiledGraph or a Graph, got {type(fn).__name__}")

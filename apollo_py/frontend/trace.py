@@ -30,6 +30,10 @@ from ..ir.builder import GraphBuilder, Value
 from ..ir.types import DTYPES
 
 _LOCAL = threading.local()
+#: the numpy rules (``ufunc``, ``function``, ``getitem``, ``stack``), filled in by
+#: :mod:`.trace_numpy` when it is imported (the modules that start traces import it), so this
+#: module does not import the rules that are built on it
+RULES: dict = {}
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NP_DIR = os.path.dirname(os.path.abspath(np.__file__))
 
@@ -146,8 +150,7 @@ def to_value(ctx: TraceContext, x, dtype=None) -> Value:
         v = ctx.value_of(x)
     else:
         if isinstance(x, (list, tuple)) and any(isinstance(e, Tracer) for e in _leaves(x)):
-            from .trace_numpy import stack
-            return to_value(ctx, stack(list(x)), dtype)
+            return to_value(ctx, RULES["stack"](list(x)), dtype)
         arr = np.asarray(x, dtype=dtype) if is_weak(x) and dtype is not None else np.asarray(x)
         if arr.dtype == object:
             raise TraceError(f"{user_frame()}: cannot use a {type(x).__name__} as an array operand")
@@ -207,12 +210,10 @@ class Tracer:
 
     # -- numpy protocols -----------------------------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        from .trace_numpy import apply_ufunc
-        return apply_ufunc(ufunc, method, inputs, kwargs)
+        return RULES["ufunc"](ufunc, method, inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        from .trace_numpy import apply_function
-        return apply_function(func, args, kwargs)
+        return RULES["function"](func, args, kwargs)
 
     def __array__(self, dtype=None, copy=None):
         raise self._concrete("a numpy array (np.asarray / np.array)")
@@ -295,8 +296,7 @@ class Tracer:
     def __itruediv__(self, o): return self / o
 
     def __getitem__(self, key):
-        from .trace_numpy import getitem
-        return getitem(self, key)
+        return RULES["getitem"](self, key)
 
     # -- ndarray methods -----------------------------------------------------------------
     @property

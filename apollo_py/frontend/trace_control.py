@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import TraceError
+from . import trace_numpy  # noqa: F401  (fills trace.RULES)
 from .trace import TraceContext, Tracer, current, to_value, user_frame
 
 OPSET = 17

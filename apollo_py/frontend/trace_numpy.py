@@ -20,6 +20,7 @@ from ..ops import compound as C
 from ..ops.compound_einsum import einsum as _einsum
 from ..ops.compound import trilu
 from ..ops.compound_index import arg_reduce, cumsum as _cumsum, mod as _mod, round_half_even
+from . import trace as _trace
 from .trace import (Tracer, _ctx_for, check_dtype, check_static_shape, dtype_of, is_weak, shape_error,
                     to_value, user_frame)
 
@@ -736,3 +737,6 @@ def getitem(x: Tracer, key):
             idx = b.cast(idx, to="int64")
         v = b.gather(v, idx, axis=adv_axis)
     return ctx.wrap(v)
+
+
+_trace.RULES.update(ufunc=apply_ufunc, function=apply_function, getitem=getitem, stack=stack)

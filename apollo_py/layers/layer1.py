@@ -42,7 +42,9 @@ class FusedKernel:
     ``parallel_dims`` is the depth of the shared outer (coincident) band, ``band_extents``
     its extents, ``tile_sizes`` the tiles applied to it (``()`` = untiled); ``flops`` and
     ``bytes`` are estimates for the cost model; ``reduce_form`` the canonical form of its
-    last reduction; ``strategy`` "direct" (built fused tree) or "isl" (isl scheduler).
+    last reduction; ``strategy`` "direct" (built fused tree) or "isl" (isl scheduler);
+    ``object_key`` the piecewise-cache key of its object code (set by layers/fuse_memo.py, so
+    that codegen need not render the loop to find it).
     """
 
     loop: L.Kernel
@@ -62,6 +64,7 @@ class FusedKernel:
     total_ms: float
     micro_graphs: tuple = ()
     consts: Mapping[str, Any] = field(default_factory=dict)
+    object_key: str = ""    # piece key of the loop's object code (codegen/cached.py), when known
 
     @property
     def name(self) -> str:

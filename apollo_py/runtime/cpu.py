@@ -69,7 +69,9 @@ class CpuExecutable:
         self._options = options                     # for layer 3's parallel_rejected events
         self.graph = graph
         self.steps = list(steps)
-        self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
+        # read-only views of the graph's constants (ConstArray holds C-contiguous, read-only
+        # arrays): copying them cost 2 s of a GPT-2 compile; a constant output is copied out
+        self.constants = {n.outputs[0]: np.asarray(n.attrs["value"].array, order="C")
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(graph.outputs) | set(self.constants)
         # only outputs of kernels and BLAS calls go into the arena; reference steps return their
@@ -313,4 +315,4 @@ def _parts(step, machine) -> int:
 def compile_kernels(fused: Sequence, cache_dir: str | None = None, progress=None) -> list:
     """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory)."""
     from ..codegen.cached import compile_all
-    return compile_all([f.loop for f in fused], cache_dir, progress)
+    return compile_all([f.loop for f in fused], cache_dir, progress, [f.object_key for f in fused])

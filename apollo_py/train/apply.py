@@ -29,7 +29,7 @@ class _Slots:
 
 def _update_fn(optimizer, specs, options):
     from ..api import jit
-    from .step import _scalar_values, scalar_inputs
+    from .scalars import _scalar_values, scalar_inputs
     b = GraphBuilder(f"{type(optimizer).__name__.lower()}_update")
     ps = [b.input(f"p{k}", s, d) for k, (s, d) in enumerate(specs)]
     gs = [b.input(f"g{k}", s, d) for k, (s, d) in enumerate(specs)]
@@ -81,7 +81,7 @@ def apply(optimizer, params, grads, options=None) -> None:
             for slot, arr in optimizer.init_state(np.zeros(s, d)).items():
                 slots.state[f"p{k}.{slot}"] = arr
     fn, state_names = hit
-    from .step import scalar_inputs
+    from .scalars import scalar_inputs
     feeds = {f"p{k}": a for k, a in enumerate(p_leaves)}
     feeds.update({f"g{k}": np.ascontiguousarray(g) for k, g in enumerate(g_leaves)})
     feeds.update(slots.state)

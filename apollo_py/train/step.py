@@ -35,28 +35,8 @@ from .losses import LOSSES
 from .optim import SGD, Optimizer
 
 LABELS = "labels"
-SCALAR_PREFIX = "optim."
-
-
-def scalar_inputs(optimizer: Optimizer, dtypes, t: int = 1) -> dict[str, np.ndarray]:
-    """Input name -> (1,) array of every per-step scalar of ``optimizer`` at step ``t``, for
-    parameters of the given dtypes (a float scalar once per dtype, a bool once)."""
-    out = {}
-    for k, v in optimizer.step_scalars(t).items():
-        if isinstance(v, (bool, np.bool_)):
-            out[f"{SCALAR_PREFIX}{k}"] = np.array([v], np.bool_)
-        else:
-            for dt in sorted(set(dtypes)):
-                out[f"{SCALAR_PREFIX}{k}.{dt}"] = np.array([v], np.float64).astype(dt)
-    return out
-
-
-def _scalar_values(optimizer: Optimizer, dtype: str, inputs: dict) -> dict:
-    vals = {}
-    for k, v in optimizer.step_scalars(1).items():
-        name = f"{SCALAR_PREFIX}{k}" if isinstance(v, (bool, np.bool_)) else f"{SCALAR_PREFIX}{k}.{dtype}"
-        vals[k] = inputs[name]
-    return vals
+# the optimizer's per-step scalar inputs (shared with optim.apply, train/apply.py)
+from .scalars import SCALAR_PREFIX, _scalar_values, scalar_inputs  # noqa: E402,F401
 
 
 def _load_proto(model):
