@@ -11,7 +11,7 @@ from .ir.graph import Graph
 from .options import Options
 from .plan import Plan
 
-TARGETS = ("reference", "cpu")
+TARGETS = ("reference", "cpu", "cuda", "cuda-emu")
 
 
 def compile_graph(graph: Graph, options: Options):
@@ -28,8 +28,14 @@ def compile_graph(graph: Graph, options: Options):
         from .partition.execute import MicroGraphExecutable
         return MicroGraphExecutable(graph, Plan(graph=graph, micro_graphs=micro_graphs))
 
-    from .layers.blas_fold import fold_blas
     from .layers.lowering import lower_micro_graphs
+    if options.target in ("cuda", "cuda-emu"):     # runtime/cuda.py: pycuda, or its CPU emulation
+        from .runtime.cuda import build_cuda_executable
+        progress.stage("layer 1 fusion", len(micro_graphs))
+        specs = lower_micro_graphs(graph, micro_graphs, options, progress)
+        progress.done()
+        return build_cuda_executable(graph, micro_graphs, specs, options)
+    from .layers.blas_fold import fold_blas
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
 
     progress.stage("layer 1 fusion", len(micro_graphs))
