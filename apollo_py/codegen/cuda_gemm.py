@@ -10,9 +10,9 @@ epilogue chain (layer-1 scalar ops on the accumulator and broadcast operands rea
 coordinates) runs on the registers and stores every output the step produces.  float16
 operands are loaded as float32 (storage only), so fp16 runs accumulate in fp32.
 
-Not here yet: tensor cores (``mma.sync`` / WMMA), double buffering, vectorised panel loads, and
-the cuBLAS alternative (runtime/cuda.py has the ctypes path for it; it needs a GPU to choose
-per shape).  The tile is the usual 64 x 64 x 16 SGEMM blocking, not tuned on a GPU.
+Not here yet: tensor cores (``mma.sync`` / WMMA), double buffering, vectorised panel loads.
+cuBLAS is the measured alternative for plain matmuls (runtime/cublas.py, chosen per shape on
+the device).  The tile is the usual 64 x 64 x 16 SGEMM blocking, not tuned on a GPU.
 """
 from __future__ import annotations
 

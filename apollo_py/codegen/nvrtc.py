@@ -3,7 +3,8 @@
 ``libnvrtc.so`` comes from the ``nvidia-cuda-nvrtc`` wheel (``site-packages/nvidia/*/lib``), so
 compiling needs no CUDA toolkit and no driver; ``APOLLO_PY_NVRTC`` may name another library.
 :func:`compile_cuda` compiles one translation unit for one architecture (``sm_80``, ``sm_90``):
-the PTX (virtual ``compute_XX``), the cubin (real ``sm_XX``) and, per ``__global__`` function,
+the PTX (``.target sm_XX``, which the driver can also JIT) and the cubin of one NVRTC run with
+``-arch=sm_XX``, and, per ``__global__`` function,
 the resources ptxas assigned, read from the cubin's ELF (:func:`cubin_resources`):
 
 * registers per thread: the ``EIATTR_REGCOUNT`` record of the ``.nv.info`` section;
@@ -133,18 +134,14 @@ def _run_nvrtc(source: str, name: str, options: list[str]) -> tuple[str, bytes, 
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-BASE_OPTIONS = ("-std=c++17", "--use_fast_math=false", "-default-device")
-
-
-def _options(arch: str, virtual: bool, extra=()) -> list[str]:
-    if arch not in ARCHS and not arch.startswith("sm_"):
+def _options(arch: str, extra=()) -> list[str]:
+    if not (arch.startswith("sm_") and arch[3:].isdigit()):
         raise CompileError(f"CUDA architecture {arch!r}: expected sm_XX, e.g. {', '.join(ARCHS)}")
-    a = ("compute_" if virtual else "sm_") + arch[3:]
-    return [f"-arch={a}", "-std=c++17", "-default-device", *extra]
+    return [f"-arch={arch}", "-std=c++17", "-default-device", *extra]
 
 
 def compile_cuda(source: str, name: str, arch: str = "sm_80", cache=None) -> CudaBinary:
-    """PTX (``compute_XX``) and cubin (``sm_XX``) of ``source`` for ``arch``, with resources.
+    """PTX and cubin of ``source`` for ``arch`` (``sm_XX``), with resources per kernel.
 
     ``cache`` is a :class:`apollo_py.cache.PieceCache` (None: no cache).  Raises CompileError
     with NVRTC's log when the source does not compile, NvrtcUnavailableError without NVRTC.
@@ -153,7 +150,7 @@ def compile_cuda(source: str, name: str, arch: str = "sm_80", cache=None) -> Cud
     if cache is not None:
         from ..cache import piece_key
         digest = hashlib.sha256(source.encode()).hexdigest()
-        key = piece_key(digest, f"cuda-{arch}", {"nvrtc": nvrtc_version(), "opts": _options(arch, False)})
+        key = piece_key(digest, f"cuda-{arch}", {"nvrtc": nvrtc_version(), "opts": _options(arch)})
         hit = cache.get(key)
         if hit is not None:
             payload, meta = hit
@@ -161,10 +158,9 @@ def compile_cuda(source: str, name: str, arch: str = "sm_80", cache=None) -> Cud
             res = {k: KernelResources(**v) for k, v in meta["resources"].items()}
             return CudaBinary(arch, payload[:ptx_len].decode(), payload[ptx_len:], res, "")
     with _COMPILE_LOCK:      # NVRTC is thread-safe, but two compiles only fight for 2 cores
-        ptx, _, log1 = _run_nvrtc(source, name, _options(arch, True))
-        _, cubin, log2 = _run_nvrtc(source, name, _options(arch, False))
+        ptx, cubin, log = _run_nvrtc(source, name, _options(arch))
     res = cubin_resources(cubin)
-    out = CudaBinary(arch, ptx, cubin, res, (log1 + log2).strip())
+    out = CudaBinary(arch, ptx, cubin, res, log.strip())
     if cache is not None:
         pb = ptx.encode()
         cache.put(key, pb + cubin, {"kernel": name, "arch": arch, "ptx_len": len(pb),
@@ -174,7 +170,7 @@ def compile_cuda(source: str, name: str, arch: str = "sm_80", cache=None) -> Cud
 
 def ptxas_report(source: str, name: str, arch: str = "sm_80") -> str:
     """ptxas's ``-v`` report for ``source`` (NVRTC's log), for checking :func:`cubin_resources`."""
-    return _run_nvrtc(source, name, _options(arch, False, ("-Xptxas", "-v")))[2]
+    return _run_nvrtc(source, name, _options(arch, ("-Xptxas", "-v")))[2]
 
 
 # ----------------------------------------------------------------------------- cubin ELF

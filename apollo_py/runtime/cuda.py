@@ -51,6 +51,8 @@ class Launch:
     outputs: tuple
     spec: object = None
     resources: dict = field(default_factory=dict)    # arch -> KernelResources
+    cublas: tuple | None = None       # (dtype, batch, m, n, k, stride_a, stride_b): cuBLAS can run it
+    choice: str = ""                  # "cublas" / "generated" once measured on a GPU
 
     fused = property(lambda self: getattr(self.spec, "fused", None))
     gemm = property(lambda self: getattr(self.spec, "gemm", None))
@@ -62,7 +64,8 @@ class Launch:
         res = "; ".join(f"{a}: {r}" for a, r in self.resources.items())
         ops = " ".join(n.op for n in (self.fused.nodes if self.fused is not None else self.nodes)) \
             if self.spec is not None else "+".join(k.members)
-        return (f"cuda   {k.name} [{k.form}] grid {k.grid} block {k.block}: {ops}"
+        chosen = f"; {self.choice}" if self.choice else ""
+        return (f"cuda   {k.name} [{k.form}{chosen}] grid {k.grid} block {k.block}: {ops}"
                 + (f"  ({res})" if res else ""))
 
     def to_dict(self) -> dict:
@@ -121,7 +124,15 @@ def lower_cuda(graph, specs: Sequence, arch_name: str = "sm_80", stitch: bool = 
             continue
         ck, values = _kernel_for(s, graph, arch)
         outs = tuple(s.outputs)
-        steps.append(Launch(ck, values, tuple(v for v in values if v not in outs), outs, s))
+        launch = Launch(ck, values, tuple(v for v in values if v not in outs), outs, s)
+        if s.gemm is not None:
+            from .cublas import cublas_form
+            form = cublas_form(s.gemm)
+            dts = {graph.types[v].dtype for v in values}
+            if form is not None and len(dts) == 1:
+                batch, sa, sb = form
+                launch.cublas = (dts.pop(), batch, s.gemm.m, s.gemm.n, s.gemm.k, sa, sb)
+        steps.append(launch)
     return _stitch(steps, arch) if stitch else steps
 
 
@@ -328,6 +339,24 @@ class CudaExecutable:
             self._device = dev
         return self._device
 
+    def _gemm(self, dev, s, handle, ptrs) -> None:
+        """A plain matmul launch: the generated GEMM or cuBLAS, whichever measured faster on
+        this device at the first call (the choice shows in ``str(plan)``)."""
+        from .cublas import Cublas, choose_gemm
+        dtype, batch, m, n, k, sa, sb = s.cublas
+        if getattr(self, "_cublas", None) is None:
+            self._cublas = Cublas(dev.stream.handle)
+
+        def gen():
+            dev.launch(handle, s.kernel, ptrs)
+
+        def blas():
+            self._cublas.gemm(dtype, batch, m, n, k, ptrs[0], ptrs[1], ptrs[-1], sa, sb)
+        if not s.choice:
+            s.choice, tg, tc = choose_gemm(gen, blas, dev)
+            s.choice += f" (generated {tg * 1e6:.0f} us, cuBLAS {tc * 1e6:.0f} us)"
+        (blas if s.choice.startswith("cublas") else gen)()
+
     def run(self, feeds: Mapping[str, np.ndarray], out=None) -> list[np.ndarray]:
         dev = self.device
         types = self.graph.types
@@ -346,7 +375,11 @@ class CudaExecutable:
         try:
             for s, h in zip(self.steps, self._handles):
                 if isinstance(s, Launch):
-                    dev.launch(h, s.kernel, [ptr[v] for v in s.param_values])
+                    ptrs = [ptr[v] for v in s.param_values]
+                    if s.cublas is not None and isinstance(dev, PycudaDevice):
+                        self._gemm(dev, s, h, ptrs)
+                    else:
+                        dev.launch(h, s.kernel, ptrs)
                     continue
                 env = {}
                 for v in s.inputs:

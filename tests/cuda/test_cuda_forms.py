@@ -163,3 +163,26 @@ def test_example_model_emulated_matches_reference(model):
     got, ref = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (got, ref))
     for a, b in zip(got, ref):
         assert np.allclose(a, b, rtol=1e-5, atol=1e-5), _rel_errors(a, b)
+
+
+def test_plain_matmul_is_offered_to_cublas():
+    from apollo_py.runtime.cuda import Launch
+    b = ap.GraphBuilder("mm_plain")
+    x, w = b.input("x", (4, 30, 20)), b.input("w", (4, 20, 10))
+    f = ap.jit(b.build([x @ w]), target="cuda-emu")
+    (launch,) = [s for s in f.plan.kernels if isinstance(s, Launch)]
+    assert launch.cublas == ("float32", 4, 30, 10, 20, 600, 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs pycuda, cuBLAS and a CUDA GPU")
+def test_cublas_gemm_matches_numpy():
+    import pycuda.autoinit  # noqa: F401
+    import pycuda.gpuarray as gpuarray
+    from apollo_py.runtime.cublas import Cublas
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 70, 50), np.float32), rng.standard_normal((3, 50, 90), np.float32)
+    da, db = gpuarray.to_gpu(a), gpuarray.to_gpu(b)
+    dc = gpuarray.empty((3, 70, 90), np.float32)
+    Cublas().gemm("float32", 3, 70, 90, 50, int(da.gpudata), int(db.gpudata), int(dc.gpudata), 3500, 4500)
+    np.testing.assert_allclose(dc.get(), a @ b, rtol=1e-4, atol=1e-4)
