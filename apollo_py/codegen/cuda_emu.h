@@ -10,6 +10,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -34,10 +35,10 @@ static inline ap_half ap_f2h(float v) { _Float16 f = (_Float16)v; ap_half h; std
 namespace apemu {
 enum { RUN = 0, WAIT = 1, DONE = 2 };
 struct Fiber { ucontext_t ctx; int state; unsigned x, y, z; };
-static const size_t STACK = 256 * 1024;
+static const size_t STACK = 128 * 1024;
 static ucontext_t sched;
 static std::vector<Fiber> fibers;
-static std::vector<char> stacks;
+static char *stacks;      // malloc'd per launch, not zeroed: only the pages a fiber uses are touched
 static std::vector<uint64_t> slots;
 static int cur;
 static std::function<void()> *body;
@@ -62,7 +63,7 @@ static void run_block() {
     const int n = (int)fibers.size();
     for (int i = 0; i < n; ++i) {
         getcontext(&fibers[i].ctx);
-        fibers[i].ctx.uc_stack.ss_sp = stacks.data() + (size_t)i * STACK;
+        fibers[i].ctx.uc_stack.ss_sp = stacks + (size_t)i * STACK;
         fibers[i].ctx.uc_stack.ss_size = STACK;
         fibers[i].ctx.uc_link = &sched;
         makecontext(&fibers[i].ctx, trampoline, 0);
@@ -87,7 +88,7 @@ static void launch(const long long *d, std::function<void()> f) {
     blockDim = {(unsigned)d[3], (unsigned)d[4], (unsigned)d[5]};
     const int n = (int)(d[3] * d[4] * d[5]);
     fibers.assign(n, Fiber());
-    stacks.resize((size_t)n * STACK);
+    stacks = (char *)std::malloc((size_t)n * STACK);
     slots.assign(n, 0);
     int i = 0;
     for (unsigned z = 0; z < blockDim.z; ++z)
@@ -100,6 +101,10 @@ static void launch(const long long *d, std::function<void()> f) {
                 blockIdx = {bx, by, bz};
                 run_block();
             }
+    std::free(stacks);
+    stacks = nullptr;
+    std::vector<Fiber>().swap(fibers);
+    std::vector<uint64_t>().swap(slots);
 }
 
 static inline int linear_tid() {

@@ -106,6 +106,13 @@ def _render(fk, types, arch: Arch) -> CudaKernel:
             raise _Reject
         if sh == F:
             return flat
+        # an operand spanning exactly the reduced (kept) dims is indexed by r (p): no int64
+        # division per element (layer norm's gamma and beta)
+        red, kept = set(form.reduced), set(form.kept)
+        if all((sh[d] == F[d]) == (d in red) or F[d] == 1 for d in range(rank)):
+            return L.Var("ap_r")
+        if kind != ALL and all((sh[d] == F[d]) == (d in kept) or F[d] == 1 for d in range(rank)):
+            return p_var
         vstr = _strides(sh)
         idx: L.Expr = L.Const(0)
         for d in range(rank):

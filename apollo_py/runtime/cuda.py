@@ -318,6 +318,8 @@ class CudaExecutable:
         self._factory = device_factory
         self._device = None
         self._handles: list = []
+        import threading
+        self._lock = threading.RLock()
         self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(self.constants)
@@ -358,6 +360,11 @@ class CudaExecutable:
         (blas if s.choice.startswith("cublas") else gen)()
 
     def run(self, feeds: Mapping[str, np.ndarray], out=None) -> list[np.ndarray]:
+        """Graph outputs (numpy) for ``feeds``; calls are serialised (one arena per device)."""
+        with self._lock:
+            return self._run(feeds)
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         dev = self.device
         types = self.graph.types
         ptr: dict[str, int] = dict(self._const_ptrs)

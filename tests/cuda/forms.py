@@ -26,14 +26,14 @@ def broadcast():
 
 def x_reduce():
     b = ap.GraphBuilder("xred")
-    x = b.input("x", (45, 333))
-    return b.build([b.reduce_sum(b.exp(x), axes=(1,), keepdims=False)]), {"x": (45, 333)}
+    x, w = b.input("x", (45, 333)), b.input("w", (333,))
+    return b.build([b.reduce_sum(b.exp(x) * w, axes=(1,), keepdims=False)]), {"x": (45, 333), "w": (333,)}
 
 
 def y_reduce():
     b = ap.GraphBuilder("yred")
-    x = b.input("x", (301, 67))
-    return b.build([b.reduce_max(x * 2.0, axes=(0,), keepdims=False)]), {"x": (301, 67)}
+    x, c = b.input("x", (301, 67)), b.input("c", (67,))
+    return b.build([b.reduce_max(x * c, axes=(0,), keepdims=False)]), {"x": (301, 67), "c": (67,)}
 
 
 def all_reduce():
