@@ -164,6 +164,26 @@ template <int BY, class T, class F> __device__ T ap_column_reduce(T v, F f) {
 }
 """
 
+#: C / C++ keywords and CUDA built-ins a graph value name may spell (``and``, ``not``, ``new``,
+#: ``threadIdx`` ...): :func:`cname` renames them, since loop-IR names are only identifiers
+RESERVED = frozenset("""
+alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t char32_t char8_t
+class co_await co_return co_yield compl concept const const_cast consteval constexpr constinit continue
+decltype default delete do double dynamic_cast else enum explicit export extern false float for friend
+goto if inline int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private
+protected public register reinterpret_cast requires restrict return short signed sizeof static
+static_assert static_cast struct switch template this thread_local throw true try typedef typeid
+typename union unsigned using virtual void volatile wchar_t while xor xor_eq
+threadIdx blockIdx blockDim gridDim warpSize main NAN INFINITY
+""".split())
+
+
+def cname(name: str) -> str:
+    """``name`` as a CUDA C++ identifier (reserved words and ``__`` names get a ``_`` suffix;
+    the renderer's own names start with ``ap_``)."""
+    return name + "_" if name in RESERVED or name.startswith("__") else name
+
+
 _CUDA_TYPES = {"float32": "float", "float64": "double", "float16": "ap_half", "bool": "bool",
                **{d: d + "_t" for d in L.INT_DTYPES}}
 
@@ -184,22 +204,31 @@ class CudaPrinter(CPrinter):
     def type_name(self, dtype: str) -> str:
         return _CUDA_TYPES[dtype]
 
+    def expr_Var(self, e: L.Var, index: bool) -> str:
+        return cname(e.name)
+
     def expr_Load(self, e: L.Load, index: bool) -> str:
-        ref = f"{e.buf.name}[{self.expr(e.index, True)}]"
+        ref = f"{cname(e.buf.name)}[{self.expr(e.index, True)}]"
         return f"ap_h2f({ref})" if e.buf.dtype == "float16" else ref
+
+    def stmt_Local(self, s: L.Local) -> None:
+        self.line(f"{self.type_name(s.dtype)} {cname(s.name)} = {self.expr(s.init)};")
+
+    def stmt_Assign(self, s: L.Assign) -> None:
+        self.line(f"{cname(s.name)} = {self.expr(s.value)};")
 
     def stmt_Store(self, s: L.Store) -> None:
         v = self.expr(s.value)
         if s.buf.dtype == "float16":
             v = f"ap_f2h({v})"
-        self.line(f"{s.buf.name}[{self.expr(s.index, True)}] = {v};")
+        self.line(f"{cname(s.buf.name)}[{self.expr(s.index, True)}] = {v};")
 
     def stmt_Alloc(self, s: L.Alloc) -> None:
         scope = "__shared__ " if s.scope == "shared" else ""
-        self.line(f"{scope}{self.type_name(s.dtype)} {s.name}[{int(s.size)}];")
+        self.line(f"{scope}{self.type_name(s.dtype)} {cname(s.name)}[{int(s.size)}];")
 
     def stmt_For(self, s: L.For) -> None:
-        v, t = s.var.name, self.type_name(s.var.dtype)
+        v, t = cname(s.var.name), self.type_name(s.var.dtype)
         self.line("{")
         self.depth += 1
         lo, hi = self.expr(s.lo, True), self.expr(s.hi, True)
@@ -222,7 +251,7 @@ class CudaPrinter(CPrinter):
 
     def signature(self, params, restrict: bool = True) -> str:
         r = " __restrict__" if restrict else ""
-        return ", ".join(f"{self.type_name(p.dtype)}*{r} {p.name}" for p in params)
+        return ", ".join(f"{self.type_name(p.dtype)}*{r} {cname(p.name)}" for p in params)
 
 
 def param_decls(params) -> tuple:
@@ -233,7 +262,7 @@ def param_decls(params) -> tuple:
 def entry(name: str, params, block: tuple, printer: CudaPrinter) -> str:
     """The ``__global__`` entry calling body ``<name>_body`` with the whole grid."""
     threads = block[0] * block[1] * block[2]
-    args = ", ".join(p.name for p in params)
+    args = ", ".join(cname(p.name) for p in params)
     return (f'extern "C" __global__ void __launch_bounds__({threads}) {name}({printer.signature(params)})\n'
             f"{{\n    {name}_body({args}{', ' if args else ''}(int64_t)blockIdx.x, (int64_t)gridDim.x);\n}}\n"
             + emu_entry(name, [(p.name, p.dtype) for p in params]))
@@ -341,7 +370,7 @@ def render_generic(k: L.Kernel, arch: Arch = ARCHS["sm_80"]) -> CudaKernel:
         p.depth += 1
         rem = "ap_i"
         for f, e in reversed(list(zip(chain, extents))):
-            p.line(f"const int64_t {f.var.name} = INT64_C({int(f.lo.value)}) + {rem} % INT64_C({e});")
+            p.line(f"const int64_t {cname(f.var.name)} = INT64_C({int(f.lo.value)}) + {rem} % INT64_C({e});")
             rem = f"({rem} / INT64_C({e}))"
         p.stmt(_as_block(body))
         p.depth -= 1

@@ -186,3 +186,14 @@ def test_cublas_gemm_matches_numpy():
     dc = gpuarray.empty((3, 70, 90), np.float32)
     Cublas().gemm("float32", 3, 70, 90, 50, int(da.gpudata), int(db.gpudata), int(dc.gpudata), 3500, 4500)
     np.testing.assert_allclose(dc.get(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_cxx_keyword_value_names_are_renamed():
+    # ONNX value names such as "and" / "not" are fine in C99 but keywords in C++
+    from onnx import TensorProto, helper
+    vi = [helper.make_tensor_value_info(n, TensorProto.BOOL, [3, 5]) for n in ("x", "y", "not")]
+    nodes = [helper.make_node("And", ["x", "y"], ["and"]), helper.make_node("Not", ["and"], ["not"])]
+    m = helper.make_model(helper.make_graph(nodes, "kw", vi[:2], vi[2:]), opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(1)
+    x, y = rng.random((3, 5)) > 0.5, rng.random((3, 5)) > 0.5
+    np.testing.assert_array_equal(ap.jit(m, target="cuda-emu")(x, y), ~(x & y))
