@@ -10,9 +10,10 @@ are tested without a GPU.
 Kernel forms and how they map to the GPU:
 
 * **generic** (:func:`render_generic`, any loop-IR kernel from layer 1): the kernel's outer
-  parallel loop, collapsed with the perfectly nested constant-bound loops under it down to a
-  ``vector`` loop (the inner parallel dims), is one flat index spread over the grid and the
-  block (grid-stride loop); the rest of the body runs per thread.  A kernel without a parallel
+  parallel loop, collapsed with the rest of layer 1's coincident band and with perfectly nested
+  constant-bound loops under it down to an independent innermost loop (the inner parallel
+  dims), is one flat index spread over the grid and the block (grid-stride loop); the rest of
+  the body runs per thread.  A kernel without a parallel
   loop (or with statements around it) runs on one thread;
 * **reduce forms** and **stitched** row programs: :mod:`apollo_py.codegen.cuda_reduce`;
 * **GEMM / implicit-GEMM conv** with the epilogue fused: :mod:`apollo_py.codegen.cuda_gemm`;
@@ -297,14 +298,23 @@ def _top(k: L.Kernel) -> list:
     return out
 
 
-def _collapse(loop: L.For) -> tuple[list, L.Stmt]:
+def _collapse(loop: L.For, depth: int = 1) -> tuple[list, L.Stmt]:
     """The chain of loops from ``loop`` that one flat index can replace, and the body under it.
 
-    The chain goes down while a loop's body is exactly one For with constant bounds and ends at
-    a ``vector`` loop (layer 1 marks a loop vector when its iterations are independent: stores
-    indexed by it, no scalar assignments); otherwise only ``loop`` itself is taken.
+    The first ``depth`` loops of a perfect nest with constant bounds are taken (layer 1's
+    coincident band: its iterations are independent).  Below them the chain goes on while a
+    loop's body is exactly one For with constant bounds, and is kept if it ends at a ``vector``
+    loop (layer 1 marks a loop vector when its iterations are independent: stores indexed by
+    it, no scalar assignments) or an innermost loop :func:`_independent` accepts.
     """
     chain, s = [loop], loop.body
+    while len(chain) < depth:
+        inner = s.stmts[0] if isinstance(s, L.Block) and len(s.stmts) == 1 else s
+        if not (isinstance(inner, L.For) and isinstance(inner.lo, L.Const) and isinstance(inner.hi, L.Const)):
+            break
+        chain.append(inner)
+        s = inner.body
+    base, base_body = list(chain), s
     while True:
         inner = s.stmts[0] if isinstance(s, L.Block) and len(s.stmts) == 1 else s
         if isinstance(inner, L.For) and isinstance(inner.lo, L.Const) and isinstance(inner.hi, L.Const) \
@@ -315,7 +325,7 @@ def _collapse(loop: L.For) -> tuple[list, L.Stmt]:
             s = inner.body
             continue
         break
-    return [loop], loop.body
+    return base, base_body
 
 
 def _independent(loop: L.For) -> bool:
@@ -344,8 +354,11 @@ def _independent(loop: L.For) -> bool:
     return True
 
 
-def render_generic(k: L.Kernel, arch: Arch = ARCHS["sm_80"]) -> CudaKernel:
-    """Render a layer-1 loop-IR kernel as a grid-stride CUDA kernel (module docstring)."""
+def render_generic(k: L.Kernel, arch: Arch = ARCHS["sm_80"], parallel_depth: int = 1) -> CudaKernel:
+    """Render a layer-1 loop-IR kernel as a grid-stride CUDA kernel (module docstring).
+
+    ``parallel_depth``: how many outer loops of the nest are parallel (layer 1's coincident
+    band depth, ``FusedKernel.parallel_dims``; 1 = only the kernel's parallel loop)."""
     p = CudaPrinter()
     p.check_kernel(k)
     top = _top(k)
@@ -355,7 +368,7 @@ def render_generic(k: L.Kernel, arch: Arch = ARCHS["sm_80"]) -> CudaKernel:
     p.depth = 1
     if par is not None and len(rest) == 1 and rest[0] is par and isinstance(par.lo, L.Const) \
             and isinstance(par.hi, L.Const):
-        chain, body = _collapse(par)
+        chain, body = _collapse(par, max(1, parallel_depth))
         if not all(isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const) for f in chain):
             chain, body = [par], par.body
         extents = [int(f.hi.value) - int(f.lo.value) for f in chain]
@@ -377,7 +390,9 @@ def render_generic(k: L.Kernel, arch: Arch = ARCHS["sm_80"]) -> CudaKernel:
         p.line("}")
         block = (arch.block, 1, 1)
         grid = (max(1, min(-(-total // arch.block), arch.sms * arch.blocks_per_sm)), 1, 1)
-        form = "elementwise" if len(chain) > 1 or not _has_inner_loops(body) else "parallel-loop"
+        # elementwise: one thread per output element; parallel band: one thread per point of the
+        # coincident band, the loops under it (window / transposed reductions) run per thread
+        form = "elementwise" if not _has_inner_loops(body) else f"parallel band ({len(chain)} dims)"
     else:
         # no flat parallel loop: one thread runs the kernel (correct for every loop nest)
         p.line("if (ap_bid != 0 || threadIdx.x != 0) return;")

@@ -98,7 +98,8 @@ def _kernel_for(spec, graph, arch):
     from ..codegen.cuda_reduce import render_reduce
     if spec.fused is not None:
         f = spec.fused
-        ck = render_reduce(f, graph.types, arch) or render_generic(f.loop, arch)
+        depth = f.parallel_dims if not f.tile_sizes else 1      # tiled nests: tile loops differ
+        ck = render_reduce(f, graph.types, arch) or render_generic(f.loop, arch, depth)
         from dataclasses import replace
         return replace(ck, bytes=f.bytes, flops=f.flops), tuple(f.param_values)
     from ..codegen.cuda_gemm import render_gemm
