@@ -77,9 +77,9 @@ def conv_epilogue():
     return b.build([b.relu(y + bias)]), {"x": (2, 4, 11, 10), "w": (6, 2, 3, 3), "bias": (1, 6, 1, 1)}
 
 
-def fp16_softmax_matmul():
+def fp16_softmax_matmul(dtype="float16"):
     b = ap.GraphBuilder("fp16")
-    x, w = b.input("x", (24, 40), "float16"), b.input("w", (40, 72), "float16")
+    x, w = b.input("x", (24, 40), dtype), b.input("w", (40, 72), dtype)
     h = x @ w
     e = b.exp(h - b.reduce_max(h, axes=(1,), keepdims=True))
     return b.build([e / b.reduce_sum(e, axes=(1,), keepdims=True)]), {"x": (24, 40), "w": (40, 72)}

@@ -197,3 +197,19 @@ def test_cxx_keyword_value_names_are_renamed():
     rng = np.random.default_rng(1)
     x, y = rng.random((3, 5)) > 0.5, rng.random((3, 5)) > 0.5
     np.testing.assert_array_equal(ap.jit(m, target="cuda-emu")(x, y), ~(x & y))
+
+
+#: float16 storage (fp32 registers and accumulation) against the float32 reference of the same
+#: graph: softmax of a K=40 product, outputs in [0, 1]; fp16 rounds |h| ~ 6 to about 3e-3
+FP16_VS_FP32 = dict(rtol=1e-2, atol=5e-3)
+
+
+def test_fp16_against_fp32_reference():
+    from forms import fp16_softmax_matmul
+    g16, shapes = fp16_softmax_matmul("float16")
+    g32, _ = fp16_softmax_matmul("float32")
+    feeds = feeds_for(g16, shapes)
+    got = ap.jit(g16, target="cuda-emu")(**feeds)
+    want = ap.jit(g32, target="reference")(**{k: v.astype(np.float32) for k, v in feeds.items()})
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want, **FP16_VS_FP32)
