@@ -50,7 +50,8 @@ def test_form_emulated_matches_reference(form):
     assert want_forms <= forms, forms
     for s in launches:        # 5(a): PTX and cubin for both architectures, resources read back
         for arch in ARCHS:
-            b = compile_cuda(s.kernel.source, s.kernel.name, arch)
+            from apollo_py.codegen.cached import piece_cache
+            b = compile_cuda(s.kernel.source, s.kernel.name, arch, piece_cache(f.options.cache_dir))
             assert f".target {arch}" in b.ptx and b.cubin[:4] == b"\x7fELF"
             res = b.resources[s.kernel.name]
             assert res.registers > 0 and (res.shared_bytes > 0) == (s.kernel.shared_bytes > 0)

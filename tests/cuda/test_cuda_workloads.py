@@ -27,10 +27,11 @@ def test_workload_compiles_for_sm80_and_sm90(name):
     launches = [s for s in plan.kernels if isinstance(s, Launch)]
     assert launches
     for s in launches:
-        assert "sm_80" in s.resources        # compiled when the executable was built
+        assert s.resources["sm_80"].registers > 0     # compiled when the executable was built
         for arch in ARCHS:
-            b = compile_cuda(s.kernel.source, s.kernel.name, arch)
-            assert f".target {arch}" in b.ptx and b.resources[s.kernel.name].registers > 0
+            if arch != "sm_80":
+                b = compile_cuda(s.kernel.source, s.kernel.name, arch)
+                assert f".target {arch}" in b.ptx and b.resources[s.kernel.name].registers > 0
 
 
 @pytest.mark.skipif(find_cxx() is None, reason="the emulation build needs g++")
