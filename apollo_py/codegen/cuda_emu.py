@@ -39,10 +39,11 @@ def find_cxx():
 class EmuKernel:
     """A generated CUDA kernel compiled for the CPU; call :meth:`launch` with host arrays."""
 
-    def __init__(self, kernel, lib: ctypes.CDLL, path: str):
+    def __init__(self, kernel, lib: ctypes.CDLL, path: str, lock: threading.Lock):
         self.kernel = kernel
         self.lib = lib
         self.path = path
+        self.lock = lock      # the library's scheduler state is global: one launch at a time
         self.fn = getattr(lib, kernel.name + "_emu")
         self.fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong)]
         self.fn.restype = None
@@ -54,7 +55,8 @@ class EmuKernel:
             raise CompileError(f"kernel {k.name!r} takes {len(k.params)} buffers, got {len(ptrs)}")
         args = (ctypes.c_void_p * max(1, len(ptrs)))(*ptrs)
         dims = (ctypes.c_longlong * 6)(*(grid or k.grid), *(block or k.block))
-        self.fn(args, dims)
+        with self.lock:
+            self.fn(args, dims)
 
     def launch(self, arrays, grid=None, block=None) -> None:
         """Run the kernel on C-contiguous numpy ``arrays`` (one per param, in order)."""
@@ -76,7 +78,7 @@ def build_emu(kernel, cache_dir: str | None = None, cxx=None) -> EmuKernel:
     with _LOCK:
         hit = _LOADED.get(digest)
     if hit is not None:
-        return EmuKernel(kernel, hit[0], hit[1])
+        return EmuKernel(kernel, *hit)
     root = os.path.join(cache_dir, "cuda_emu") if cache_dir else tempfile.mkdtemp(prefix="apollo_cuda_emu_")
     os.makedirs(root, exist_ok=True)
     lib_path = os.path.join(root, f"{kernel.name}_{digest}.so")
@@ -95,8 +97,8 @@ def build_emu(kernel, cache_dir: str | None = None, cxx=None) -> EmuKernel:
         shutil.rmtree(work, ignore_errors=True)
     lib = ctypes.CDLL(lib_path)
     with _LOCK:
-        _LOADED[digest] = (lib, lib_path)
-    return EmuKernel(kernel, lib, lib_path)
+        hit = _LOADED.setdefault(digest, (lib, lib_path, threading.Lock()))
+    return EmuKernel(kernel, *hit)
 
 
 def run_emu(kernel, arrays, cache_dir: str | None = None) -> None:

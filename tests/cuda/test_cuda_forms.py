@@ -214,3 +214,15 @@ def test_fp16_against_fp32_reference():
     want = ap.jit(g32, target="reference")(**{k: v.astype(np.float32) for k, v in feeds.items()})
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), want, **FP16_VS_FP32)
+
+
+def test_emulated_graph_called_from_two_threads():
+    from concurrent.futures import ThreadPoolExecutor
+    g, shapes = FORMS["stitched-softmax"][0]()
+    f = ap.jit(g, target="cuda-emu")
+    feeds = [feeds_for(g, shapes, seed=s) for s in range(4)]
+    want = [ap.jit(g, target="reference")(**x) for x in feeds]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda x: f(**x), feeds))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
