@@ -3,17 +3,18 @@
 Public API: :func:`jit`, :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the
 error classes.  Heavy modules (onnx, islpy, llvmlite, pycuda) load on first use.
 """
-from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, RuleError,
-                     ShapeError, UnsupportedOpError)
+from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
+                     RuleError, ShapeError, UnsupportedOpError)
+from .machine import Machine
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
-from .api import CompiledGraph, jit
-from .plan import explain
+from . import ops  # noqa: F401  (registers the op table the IR consults: ir/optable.py)
+from .api import CompiledGraph, explain, jit
 
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
-           "InputError", "ModelLoadError", "Options", "RuleError", "ShapeError", "TensorType",
+           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "RuleError", "ShapeError", "TensorType",
            "UnsupportedOpError", "explain", "jit", "__version__"]
 
 from .train import grad, optim, train_step  # noqa: E402  (training API, DESIGN §12)

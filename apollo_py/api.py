@@ -110,7 +110,8 @@ class CompiledGraph:
             shape = self._pinned.get(s.name) or s.dims
             if not all(isinstance(d, int) for d in shape):
                 raise InputError(f"input {s.name!r} has symbolic shape {s.describe()}: call the model "
-                                 "once or pass input_shapes= to see a plan")
+                                 "once or pass input_shapes= (on the command line: --shape "
+                                 f"{s.name}=D0,D1,...) to see a plan")
             shapes[s.name] = tuple(shape)
         return self.specialization(shapes).plan
 
@@ -234,3 +235,10 @@ def jit(model: Any = None, *, target: str | None = None, options: Options | None
     if model is None:
         return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes)
     return CompiledGraph(load_program(model, input_shapes), opts, input_shapes)
+
+
+def explain(model: Any, options: Options | None = None, input_shapes: Any = None):
+    """The fusion plan of ``model`` (ONNX path/bytes/ModelProto, Graph) without running it.
+
+    Symbolic input dims need ``input_shapes``; the plan carries ``micro_graphs``."""
+    return jit(model, options=options, input_shapes=input_shapes).plan

@@ -1,4 +1,4 @@
-"""Piecewise JIT cache (DESIGN §10): memory LRU in front of an on-disk store.
+"""Piecewise JIT cache (DESIGN §10): memory LRU in front of an on-disk store with a size cap.
 
 A piece is one kernel after the fusion layers.  Its key is a sha256 over the piece's structural
 key, the target, the Options fields that change code, and the data-model version (versions of
@@ -6,18 +6,28 @@ apollo_py, islpy, llvmlite and the host CPU features), so upgrading any of them 
 entries.  Each disk entry is ``<key>.bin`` (object code) + ``<key>.json`` (metadata with the
 payload's sha256), both written atomically (temp file + rename); an entry whose checksum does
 not match is discarded and recompiled.  No pickle.
+
+The disk store holds at most ``max_bytes`` (default :data:`DISK_MAX_BYTES`) of object code:
+when a write takes it over the cap, the least recently used entries (by the metadata file's
+modification time, touched on every disk hit) are deleted until it is under 90% of the cap.
+Other processes sharing the directory are seen at the next eviction scan.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
 import threading
-from collections import OrderedDict
 from functools import lru_cache
 from importlib import metadata
 from typing import Any
+
+from cachetools import LRUCache
+
+from .fsutil import atomic_write
+
+#: default cap on the object code kept on disk per cache directory
+DISK_MAX_BYTES = 1 << 30
 
 
 @lru_cache(maxsize=None)
@@ -43,14 +53,17 @@ def piece_key(structural_key: str, target: str, option_fields: dict[str, Any]) -
 
 
 class PieceCache:
-    """Memory LRU (``capacity`` entries) over a directory of checksummed entries."""
+    """Memory LRU (``capacity`` entries) over a directory of checksummed entries holding at
+    most ``max_bytes`` of payload (least recently used entries evicted first)."""
 
-    def __init__(self, directory: str | None, capacity: int = 512):
+    def __init__(self, directory: str | None, capacity: int = 512, max_bytes: int = DISK_MAX_BYTES):
         self.directory = directory
         self.capacity = capacity
-        self._mem: OrderedDict[str, tuple[bytes, dict]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._mem: LRUCache = LRUCache(capacity)
         self._lock = threading.Lock()
-        self.hits = self.misses = self.disk_hits = 0
+        self._disk_bytes: int | None = None   # payload bytes on disk as last counted (+ writes since)
+        self.hits = self.misses = self.disk_hits = self.evictions = 0
 
     def _paths(self, key: str) -> tuple[str, str]:
         sub = os.path.join(self.directory, "pieces", key[:2])
@@ -59,10 +72,10 @@ class PieceCache:
     def get(self, key: str) -> tuple[bytes, dict] | None:
         """Payload and metadata for ``key``, or None (a corrupt disk entry is deleted)."""
         with self._lock:
-            if key in self._mem:
-                self._mem.move_to_end(key)
+            entry = self._mem.get(key)
+            if entry is not None:
                 self.hits += 1
-                return self._mem[key]
+                return entry
         entry = self._read_disk(key) if self.directory else None
         with self._lock:
             if entry is None:
@@ -81,9 +94,6 @@ class PieceCache:
 
     def _remember(self, key, entry):
         self._mem[key] = entry
-        self._mem.move_to_end(key)
-        while len(self._mem) > self.capacity:
-            self._mem.popitem(last=False)
 
     def _read_disk(self, key):
         bin_path, json_path = self._paths(key)
@@ -101,16 +111,66 @@ class PieceCache:
                 except OSError:
                     pass
             return None
+        try:
+            os.utime(json_path)     # recently used: evicted last
+        except OSError:
+            pass
         return payload, meta
 
     def _write_disk(self, key, payload, meta):
         bin_path, json_path = self._paths(key)
         try:
             os.makedirs(os.path.dirname(bin_path), exist_ok=True)
-            _atomic_write(bin_path, payload)
-            _atomic_write(json_path, json.dumps(meta, sort_keys=True).encode())
+            atomic_write(bin_path, payload)
+            atomic_write(json_path, json.dumps(meta, sort_keys=True).encode())
         except OSError:
-            pass  # a read-only or full cache dir only costs recompilation
+            return  # a read-only or full cache dir only costs recompilation
+        with self._lock:
+            if self._disk_bytes is not None:
+                self._disk_bytes += len(payload)
+            over = self._disk_bytes is None or self._disk_bytes > self.max_bytes
+        if over:
+            self._evict()
+
+    def _entries(self) -> list[tuple[float, int, str]]:
+        """``(last use, payload bytes, key)`` of every complete entry on disk."""
+        out = []
+        root = os.path.join(self.directory, "pieces")
+        if not os.path.isdir(root):
+            return out
+        for sub in os.scandir(root):
+            if not sub.is_dir():
+                continue
+            for f in os.scandir(sub.path):
+                if not f.name.endswith(".bin"):
+                    continue
+                key = f.name[:-4]
+                try:
+                    used = os.stat(os.path.join(sub.path, key + ".json")).st_mtime
+                    out.append((used, f.stat().st_size, key))
+                except OSError:
+                    continue    # being written or removed by another process
+        return out
+
+    def _evict(self) -> None:
+        """Count the payload on disk; over ``max_bytes``, delete least recently used entries
+        until it is under 90% of the cap."""
+        entries = self._entries()
+        total = sum(size for _, size, _ in entries)
+        if total > self.max_bytes:
+            for _, size, key in sorted(entries):
+                if total <= 0.9 * self.max_bytes:
+                    break
+                for p in self._paths(key):
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+                total -= size
+                with self._lock:
+                    self.evictions += 1
+        with self._lock:
+            self._disk_bytes = total
 
     def info(self) -> dict:
         """Entry count and bytes on disk, and this process's hit/miss counters."""
@@ -122,8 +182,9 @@ class PieceCache:
                     if f.endswith(".bin"):
                         n += 1
                         size += os.path.getsize(os.path.join(dirpath, f))
-        return {"directory": self.directory, "entries": n, "bytes": size, "memory_entries": len(self._mem),
-                "hits": self.hits, "disk_hits": self.disk_hits, "misses": self.misses}
+        return {"directory": self.directory, "entries": n, "bytes": size, "max_bytes": self.max_bytes,
+                "memory_entries": len(self._mem), "hits": self.hits, "disk_hits": self.disk_hits,
+                "misses": self.misses, "evictions": self.evictions}
 
     def clear(self) -> int:
         """Delete every disk entry and the memory LRU; returns the number of entries removed."""
@@ -131,20 +192,7 @@ class PieceCache:
         n = self.info()["entries"]
         with self._lock:
             self._mem.clear()
+            self._disk_bytes = None
         if self.directory:
             shutil.rmtree(os.path.join(self.directory, "pieces"), ignore_errors=True)
         return n
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

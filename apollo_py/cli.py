@@ -1,4 +1,4 @@
-"""Command-line interface: ``apollo-py explain|run|compile|cache|feedback``.
+"""Command-line interface: ``apollo-py explain|run|compile|cache|feedback|machine``.
 
 Errors the user can cause (bad model, bad input) print one line ``error: ...`` and exit 2 —
 no traceback.
@@ -27,16 +27,35 @@ def _load_inputs(pairs, compiled):
     return feeds
 
 
+def parse_shapes(pairs) -> dict[str, tuple]:
+    """``--shape NAME=D0,D1,...`` options as ``{name: (d0, d1, ...)}`` (``NAME=`` is rank 0)."""
+    shapes: dict[str, tuple] = {}
+    for p in pairs or []:
+        name, sep, dims = p.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
+            if any(d < 0 for d in shape):
+                raise ValueError
+        except ValueError:
+            raise ApolloError(f"--shape expects NAME=D0,D1,... with dims >= 0, got {p!r}") from None
+        if name in shapes:
+            raise ApolloError(f"--shape gives input {name!r} twice")
+        shapes[name] = shape
+    return shapes
+
+
 def _cmd_explain(args, opts):
-    from . import explain
-    plan = explain(args.model, options=opts)
+    from .api import explain
+    plan = explain(args.model, options=opts, input_shapes=parse_shapes(args.shape) or None)
     print(plan.to_json() if args.json else plan)
 
 
 def _cmd_run(args, opts):
     import numpy as np
     from .api import jit
-    f = jit(args.model, options=opts)
+    f = jit(args.model, options=opts, input_shapes=parse_shapes(args.shape) or None)
     outs = f.run(**_load_inputs(args.input, f))
     for name, arr in zip(f.output_names, outs):
         if args.out:
@@ -99,6 +118,21 @@ def _cmd_feedback(args, opts):
     print(report.render(opts, html=args.html))
 
 
+def _cmd_machine(args, opts):
+    import os
+    from . import machine as M
+    if args.reset:
+        path = M.machine_path(opts.cache_dir)
+        if os.path.exists(path):
+            os.remove(path)
+            print(f"removed {path}")
+    if args.preset:
+        m = M.preset(args.preset)
+    else:
+        m = M.measured_machine(opts.cache_dir, remeasure=args.measure)
+    print(M.machine_json(m) if args.json else M.as_text(m))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
     p.add_argument("--target", default=None, help="cpu (default) | reference | cuda | cuda-emu")
@@ -107,10 +141,14 @@ def main(argv=None) -> int:
     e = sub.add_parser("explain", help="print the fusion plan of a model")
     e.add_argument("model")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                   help="shape of an input with symbolic dims (repeat per input)")
     r = sub.add_parser("run", help="run a model on .npy inputs")
     r.add_argument("model")
     r.add_argument("--input", action="append", metavar="NAME=FILE.npy")
     r.add_argument("--out", help="directory to write outputs as .npy")
+    r.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                   help="pin the shape of an input with symbolic dims (the inputs must match)")
     co = sub.add_parser("compile", help="compile a model; with --out, write its kernels (CUDA: .cu, .ptx, "
                         "resources.json) and plan.json")
     co.add_argument("model")
@@ -122,6 +160,12 @@ def main(argv=None) -> int:
     fb = sub.add_parser("feedback", help="rule-feedback reports")
     fb.add_argument("action", choices=["report"])
     fb.add_argument("--html", action="store_true")
+    mc = sub.add_parser("machine", help="the machine figures the cost model uses, and where they came from")
+    mc.add_argument("--measure", action="store_true", help="measure again (and store when plausible)")
+    mc.add_argument("--reset", action="store_true", help="delete the stored figures first")
+    mc.add_argument("--preset", help="show a preset instead (" + ", ".join(sorted(__import__(
+        "apollo_py.machine", fromlist=["PRESETS"]).PRESETS)) + ")")
+    mc.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     opts = Options()
     target = getattr(args, "sub_target", None) or args.target
@@ -129,7 +173,8 @@ def main(argv=None) -> int:
         opts = opts.replace(target=target)
     if args.cache_dir:
         opts = opts.replace(cache_dir=args.cache_dir)
-    handlers = {"explain": _cmd_explain, "run": _cmd_run, "compile": _cmd_compile, "cache": _cmd_cache, "feedback": _cmd_feedback}
+    handlers = {"explain": _cmd_explain, "run": _cmd_run, "compile": _cmd_compile, "cache": _cmd_cache,
+                "feedback": _cmd_feedback, "machine": _cmd_machine}
     try:
         handlers[args.cmd](args, opts)
     except ApolloError as err:

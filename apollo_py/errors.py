@@ -45,3 +45,11 @@ class GraphError(ApolloError):
 
 class RuleError(ApolloError):
     """A partition rule table or user overlay is malformed."""
+
+
+class OptionsError(ApolloError):
+    """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
+
+
+class CudaUnavailableError(ApolloError):
+    """target="cuda" was asked for but pycuda, cuBLAS or a CUDA driver / GPU is missing."""

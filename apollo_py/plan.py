@@ -2,8 +2,8 @@
 
 ``Plan.graph`` is the primitive graph after preprocessing; the partition stage fills
 ``micro_graphs`` and later stages ``kernels``.  ``str(plan)`` is a readable table,
-``plan.to_json()`` a JSON document.  :func:`explain` returns the plan of a model without
-running it.
+``plan.to_json()`` a JSON document.  :func:`apollo_py.explain` returns the plan of a model
+without running it.
 
 ``plan.coverage`` (:class:`Coverage`) counts what apollo_py lowered itself against what runs
 through ``onnx.reference`` (fallback).  The unit is the ONNX source node: an ONNX node counts
@@ -60,13 +60,17 @@ class Coverage:
                 f"{self.primitives_fallback} fallback)")
 
 
+#: op name -> ``f(node) -> [(attribute, Plan)]``: the plans of the subgraphs a node of that op
+#: compiled (control flow).  The front end that defines such an op registers it
+#: (frontend/control_flow.py registers ``onnx_op``): the plan, a value the compiler produces,
+#: does not import the front end.
+BODY_PLANS: dict = {}
+
+
 def node_bodies(node) -> list:
-    """(attribute, plan) of the compiled subgraphs of a control-flow ``onnx_op`` node that ran."""
-    if node.op != "onnx_op" or not node.attrs.get("options"):
-        return []
-    from .frontend.control_flow import body_plans, op_instance
-    a = node.attrs
-    return body_plans(op_instance(a["node"], a["domain"], a["opset"], a["options"])[0])
+    """(attribute, plan) of the compiled subgraphs of a control-flow node that ran."""
+    bodies = BODY_PLANS.get(node.op)
+    return bodies(node) if bodies is not None else []
 
 
 def bodies_coverage(bodies) -> Coverage:
@@ -122,6 +126,7 @@ class Plan:
     micro_graphs: tuple = ()
     kernels: tuple = ()
     notes: tuple[str, ...] = field(default=())
+    timings: tuple = ()     # (compile stage, seconds) in order: where the compile's time went
 
     @property
     def coverage(self) -> Coverage:
@@ -137,7 +142,8 @@ class Plan:
         doc = {"graph": self.graph.name, "primitives": self.primitives,
                "micro_graphs": [m.to_dict() for m in self.micro_graphs],
                "kernels": [k.to_dict() for k in self.kernels], "notes": list(self.notes),
-               "coverage": self.coverage.to_dict()}
+               "coverage": self.coverage.to_dict(),
+               "timings": {name: round(t, 4) for name, t in self.timings}}
         return json.dumps(doc, indent=1)
 
     def micro_graph_table(self) -> str:
@@ -179,6 +185,8 @@ class Plan:
                 lines.append(f"{fallback_text(n)}; its subgraphs:")
                 lines.extend(body_lines(bodies))
         lines.append(str(self.coverage))
+        if self.timings:
+            lines.append("compile time: " + ", ".join(f"{name} {t:.2f} s" for name, t in self.timings))
         lines.extend(f"note: {s}" for s in self.notes)
         return "\n".join(lines)
 
@@ -231,11 +239,3 @@ class StagedPlan:
             lines.extend("  | " + x for x in str(self.tail).splitlines())
         lines.append(str(self.coverage))
         return "\n".join(lines)
-
-
-def explain(model: Any, options: Any = None, input_shapes: Any = None) -> Plan:
-    """The fusion plan of ``model`` (ONNX path/bytes/ModelProto, Graph) without running it.
-
-    Symbolic input dims need ``input_shapes``; the plan carries ``micro_graphs``."""
-    from .api import jit
-    return jit(model, options=options, input_shapes=input_shapes).plan

@@ -14,18 +14,19 @@ is compiled once.  A cache directory of None keeps the cache in memory only.
 from __future__ import annotations
 
 import hashlib
-import sys
+import os
 import threading
-from collections import OrderedDict
 from functools import lru_cache
 from typing import Sequence
+
+from cachetools import LRUCache
 
 from ..cache import PieceCache, piece_key
 from . import loopir as L
 
 _CACHES: dict[str | None, PieceCache] = {}
 _LOADED_CAPACITY = 2048
-_LOADED: OrderedDict[str, object] = OrderedDict()   # key -> CompiledKernel, this process (LRU)
+_LOADED: LRUCache = LRUCache(_LOADED_CAPACITY)   # key -> CompiledKernel, this process
 _LOCK = threading.Lock()
 
 
@@ -42,30 +43,51 @@ def piece_cache(directory: str | None) -> PieceCache:
 def _backend_digest() -> str:
     """sha256 of the LLVM back end's own source (optimiser pipeline, object emission), so that
     a change there invalidates pieces even when the rendered text stays the same."""
-    from . import llvm
+    here = os.path.dirname(__file__)
     h = hashlib.sha256()
-    for mod in (llvm, sys.modules[__name__]):
-        with open(mod.__file__, "rb") as f:
+    for name in ("llvm.py", "gemm.py", "cached.py"):       # by file: gemm imports this module
+        with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 
 
+def positional(k: L.Kernel) -> L.Kernel:
+    """``k`` with its params named ``arg0, arg1, ...``: kernels are called with their buffers
+    by position, so the same loops at two call sites (a transformer's layers, whose values
+    have other names) render the same text and share one piece."""
+    return L.rename_params(k, [f"arg{i}" for i in range(len(k.params))]) or k
+
+
 def kernel_key(k: L.Kernel) -> tuple[str, str]:
-    """(cache key, unoptimised LLVM text) of kernel ``k`` for this host."""
+    """(cache key, unoptimised LLVM text) of kernel ``k`` (its params named by position) for
+    this host."""
     from .llvm import host, render_llvm
-    text = render_llvm(k, host().cpu_attrs)
+    text = render_llvm(positional(k), host().cpu_attrs)
     digest = hashlib.sha256(text.encode()).hexdigest()
     return piece_key(digest, "cpu", {"backend": _backend_digest()}), text
 
 
-def compile_cached(k: L.Kernel, cache: PieceCache | None):
+_TEXTS: LRUCache = LRUCache(_LOADED_CAPACITY)      # key -> rendered text, not yet compiled
+
+
+def remember_text(key: str, text: str) -> None:
+    """Keep ``text`` (rendered for ``kernel_key``) until the kernel of ``key`` is compiled, so
+    that a caller who needed the key early does not make codegen render the kernel twice."""
+    with _LOCK:
+        _TEXTS[key] = text
+
+
+def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
     """A CompiledKernel for ``k``: from this process, from ``cache``, or freshly compiled.
 
+    ``key``: ``kernel_key(k)[0]`` when the caller knows it (then a hit renders nothing).
     A fresh compile's ``ir`` holds the optimised LLVM IR; a kernel loaded from the disk cache
     has ``ir == ""`` (its object code was made by an earlier process).
     """
     from .llvm import _compile_lock, host, load_object, optimize_ir
-    key, text = kernel_key(k)
+    text = None
+    if not key:
+        key, text = kernel_key(k)
     with _LOCK:
         done = _LOADED.get(key)
     if done is not None and done.name == k.name:
@@ -74,6 +96,11 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None):
     if hit is not None:
         ck = load_object(k, hit[0])
     else:
+        if text is None:
+            with _LOCK:
+                text = _TEXTS.pop(key, None)
+            if text is None:        # evicted meanwhile: render again (the key is the same)
+                key, text = kernel_key(k)
         h = host()
         with _compile_lock:
             mod = optimize_ir(text)
@@ -86,21 +113,59 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None):
             cache.put(key, obj, {"kernel": k.name})
     with _LOCK:
         _LOADED[key] = ck
-        _LOADED.move_to_end(key)
-        while len(_LOADED) > _LOADED_CAPACITY:
-            _LOADED.popitem(last=False)
     return ck
 
 
-def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None) -> list:
+_ENGINES: LRUCache = LRUCache(_LOADED_CAPACITY)    # key -> (engine, ir) of whole modules
+
+
+def compile_module(text: str, build, cache_dir: str | None, name: str):
+    """(MCJIT engine, optimised IR or "") of a hand-assembled LLVM module (the generated GEMM),
+    behind the piecewise cache: ``text`` determines the module (its source, or what the source
+    is rendered from), ``build()`` renders and parses it into a module.  A hit loads the stored
+    object code; a miss optimises (O3), emits and stores it.  Engines are shared within the process by key (keep them alive as long as their code runs)."""
+    from .llvm import _compile_lock, host, run_o3
+    key = piece_key(hashlib.sha256(text.encode()).hexdigest(), "cpu-module", {"backend": _backend_digest()})
+    with _LOCK:
+        done = _ENGINES.get(key)
+    if done is not None:
+        return done
+    cache = piece_cache(cache_dir)
+    hit = cache.get(key)
+    h = host()
+    ir = ""
+    with _compile_lock:
+        if hit is None:
+            mod = build()
+            mod.triple = h.triple
+            run_o3(mod)
+            ir = str(mod)
+            obj = h.target_machine().emit_object(mod)
+        else:
+            obj = hit[0]
+        empty = h.llvm.parse_assembly("")
+        empty.triple = h.triple
+        engine = h.llvm.create_mcjit_compiler(empty, h.target_machine())
+        engine.add_object_file(h.llvm.ObjectFileRef.from_data(obj))
+        engine.finalize_object()
+    if hit is None:
+        cache.put(key, obj, {"module": name})
+    with _LOCK:
+        _ENGINES[key] = (engine, ir)
+    return engine, ir
+
+
+def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None,
+                keys: Sequence[str] | None = None) -> list:
     """Compile ``kernels`` through the cache in ``cache_dir``; one CompiledKernel each, in order.
 
-    ``progress`` (a :class:`apollo_py.progress.Progress` or None) counts kernels done.
+    ``keys``: their cache keys where known ("" where not); ``progress`` (a
+    :class:`apollo_py.progress.Progress` or None) counts kernels done.
     """
     cache = piece_cache(cache_dir)
     out = []
-    for k in kernels:
-        out.append(compile_cached(k, cache))
+    for k, key in zip(kernels, keys or [""] * len(kernels)):
+        out.append(compile_cached(k, cache, key))
         if progress is not None:
             progress.step()
     return out

@@ -31,7 +31,7 @@ def render_gemm(d, a_dtype: str, b_dtype: str, arch: Arch = ARCHS["sm_80"]) -> C
     (float32 or float16).  Params: ``a``, ``bsrc``, the epilogue operands ``in<q>``, the
     outputs ``out<q>`` -- bind them to (A value, B value, operand values, output values)."""
     from apollo_py.codegen.gemm import _operand_index, b_source_size
-    from apollo_py.poly.ast_to_loopir import scalar_op
+    from apollo_py.codegen.scalar_ops import scalar_op
     for dt in (a_dtype, b_dtype):
         if dt not in ("float32", "float16"):
             raise CompileError(f"CUDA GEMM {d.name!r}: {dt} operands (float32 / float16 only)")

@@ -1,6 +1,7 @@
 """GPU templates for the canonical reduce forms and layer-2 stitched row programs.
 
-A layer-1 kernel whose reductions all share one canonical form (poly/reduce_forms.py: x-reduce
+A layer-1 kernel whose reductions all share one canonical form (``FusedKernel.reduce_form``,
+from poly/reduce_forms.py: x-reduce
 ``[P, R]``, y-reduce ``[R, P]``, all-reduce ``[R]``, not transposed) and whose other primitives
 are elementwise / broadcast is rendered from its *nodes*, not from its CPU loop nest:
 
@@ -29,9 +30,9 @@ from apollo_py.codegen import loopir as L
 from apollo_py.codegen.cuda import (ARCHS, PRELUDE, Arch, CudaKernel, CudaPrinter, device_body, entry,
                                     param_decls)
 from apollo_py.codegen.templates import combine, identity
-from apollo_py.poly.reduce_forms import ALL, X, Y, classify_reduce
 
 REDUCERS = ("sum", "max", "min", "prod")
+ALL, X, Y = "all", "x", "y"          # poly/reduce_forms.py's kinds (codegen sits below poly)
 ACC_DTYPES = ("float32", "float64", "int32", "int64")
 COLUMN_ROWS = 8        # BY of the y-reduce block (32 x 8 threads)
 
@@ -73,7 +74,7 @@ def render_reduce(fk, types, arch: Arch = ARCHS["sm_80"]) -> CudaKernel | None:
 
 def _render(fk, types, arch: Arch) -> CudaKernel:
     from apollo_py.ops.registry import get_op
-    from apollo_py.poly.ast_to_loopir import scalar_op
+    from apollo_py.codegen.scalar_ops import scalar_op
     nodes = [n for n in fk.nodes if n.op != "constant"]
     reds = [n for n in nodes if n.op.startswith("reduce_")]
     if not reds:
@@ -87,8 +88,10 @@ def _render(fk, types, arch: Arch) -> CudaKernel:
             raise _Reject
         if L.compute_dtype(types[n.outputs[0]].dtype) not in ACC_DTYPES:
             raise _Reject
-    form = classify_reduce(F, tuple(axes))
-    if form.transposed or form.R <= 1:
+    # layer 1 classified the kernel's last reduction (poly/reduce_forms.py); every reduction
+    # here has the same input shape and axes, so that form is theirs
+    form = fk.reduce_form
+    if form is None or form.transposed or form.R <= 1 or form.kind not in (ALL, X, Y):
         raise _Reject
     P, R, kind = form.P, form.R, form.kind
     kept_shape = _squeeze(F[d] for d in form.kept)

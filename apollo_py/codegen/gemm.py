@@ -299,7 +299,7 @@ def _operand_index(op: EpiOperand, out_shape: tuple, row_dims: int, row: L.Expr,
 
 
 def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
-    from apollo_py.poly.ast_to_loopir import scalar_op
+    from apollo_py.codegen.scalar_ops import scalar_op
     tile = L.Param("tile", "float32", bl.mr * bl.nr)
     info = L.Param("info", "int64", 4)
     ops = [L.Param(f"in{q}", o.dtype, max(1, prod(o.shape))) for q, o in enumerate(d.operands)]
@@ -552,20 +552,27 @@ def render_gemm(d: GemmDesc, threads: int = 2) -> str:
     return "\n".join([main, *texts])
 
 
-def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None) -> CompiledGemm:
+def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
+                 cache_dir: str | None = None) -> CompiledGemm:
     """Generate, optimise (O3) and JIT the kernels of ``d``; ``threads`` shapes the tile
-    decomposition.  Raises CompileError when LLVM
-    rejects the generated text (a bug) or an epilogue op has no scalar lowering."""
-    from .llvm import _compile_lock, host, run_o3
+    decomposition.  Goes through the piecewise cache (``codegen/cached.py``; ``cache_dir``
+    None = this process only): a GEMM with the same rendered text, back end and host is
+    loaded as object code without running LLVM.  Raises CompileError when LLVM rejects the
+    generated text (a bug) or an epilogue op has no scalar lowering."""
+    from .cached import compile_module
+    from .llvm import host
     if d.m <= 0 or d.n <= 0 or d.k <= 0 or d.batch <= 0:
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
     bl = bl or blocking_for(d.m)
     lay = layout(d, bl, threads)
-    h = host()
-    main, texts, (pack_a, pack_b, epi) = _render(d, bl, lay)
-    llvm = h.llvm
-    with _compile_lock:
+    pack_a = _pack_a_kernel(d, bl)
+    pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)
+    epi = _epilogue_kernel(d, bl)
+
+    def build():
+        llvm = host().llvm
+        main, texts, _ = _render(d, bl, lay)
         try:
             mod = llvm.parse_assembly(main)
             for t in texts:
@@ -573,11 +580,10 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None) -> Co
             mod.verify()
         except RuntimeError as exc:
             raise CompileError(f"{d.name}: invalid generated LLVM IR: {exc}") from exc
-        mod.triple = h.triple
-        run_o3(mod)
-        ir = str(mod)
-        engine = llvm.create_mcjit_compiler(mod, h.target_machine())
-        engine.finalize_object()
+        return mod
+    # keyed by what the text is rendered from (descriptor, blocking, layout; the host and this
+    # module's source are in the key too), so a cache hit renders nothing
+    engine, ir = compile_module(repr((d, bl, lay)), build, cache_dir, d.name)
     main_params = (pack_a.params[0], pack_b.params[1], *epi.params[2:])
     return CompiledGemm(d, bl, lay, engine, ir, pack_a, main_params)
 

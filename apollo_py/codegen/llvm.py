@@ -148,30 +148,6 @@ _PREFETCH_ROW_BYTES = (256, 16384)  # row sizes (bytes per iteration) that get p
 _PREFETCH_MAX_LINES = 64      # cache lines prefetched per iteration, at most
 
 
-def _affine(e: L.Expr):
-    """``{var name: coefficient, "": constant}`` of an int64 index expression built from
-    constants, variables, ``+``, ``-`` and ``*`` by a constant; None for anything else."""
-    if isinstance(e, L.Const):
-        return {"": int(e.value)} if e.dtype == "int64" else None
-    if isinstance(e, L.Var):
-        return {e.name: 1} if e.dtype == "int64" else None
-    if isinstance(e, L.Bin) and e.op in ("add", "sub", "mul") and e.dtype == "int64":
-        a, b = _affine(e.a), _affine(e.b)
-        if a is None or b is None:
-            return None
-        if e.op == "mul":
-            if set(a) <= {""}:
-                a, b = b, a
-            if not set(b) <= {""}:
-                return None
-            return {k: v * b.get("", 0) for k, v in a.items()}
-        out, sign = dict(a), (1 if e.op == "add" else -1)
-        for k, v in b.items():
-            out[k] = out.get(k, 0) + sign * v
-        return out
-    return None
-
-
 def prefetch_plan(loop: L.For, params) -> list:
     """Return ``(buf, affine base index, row bytes, distance)`` prefetches for a row loop.
 
@@ -192,7 +168,7 @@ def prefetch_plan(loop: L.For, params) -> list:
     for ld in loads:
         if ld.buf.name not in names:
             continue
-        aff = _affine(ld.index)
+        aff = L.affine_form(ld.index)
         if aff is None or aff.get(var, 0) <= 0:
             continue
         row = aff[var] * _SIZES[ld.buf.dtype]

@@ -509,6 +509,42 @@ def walk(node):
                 yield from walk(v)
 
 
+def map_nodes(node, fn):
+    """``node`` rebuilt bottom up with ``fn`` applied to every Stmt, Expr and Param in it
+    (``fn`` returns its argument to keep it); unchanged subtrees are returned as they are."""
+    if isinstance(node, tuple):
+        t = tuple(map_nodes(x, fn) for x in node)
+        return t if any(a is not b for a, b in zip(t, node)) else node
+    if isinstance(node, (Stmt, Expr, Param)):
+        changes = {}
+        for f in fields(node):
+            v = getattr(node, f.name)
+            if isinstance(v, (Stmt, Expr, Param, tuple)):
+                nv = map_nodes(v, fn)
+                if nv is not v:
+                    changes[f.name] = nv
+        return fn(replace(node, **changes) if changes else node)
+    return node
+
+
+def rename_params(k: "Kernel", names) -> "Kernel | None":
+    """``k`` with its params named ``names`` (in order, already valid identifiers), every
+    reference in the body renamed with them; None when a new name is taken by a local, a
+    scratch buffer or a loop variable of ``k`` (the renaming would capture it)."""
+    names = list(names)
+    if len(names) != len(k.params):
+        return None
+    if all(p.name == n for p, n in zip(k.params, names)):
+        return k
+    scratch = {x.name for x in walk(k.body) if isinstance(x, (Alloc, Local))} | \
+        {x.var.name for x in walk(k.body) if isinstance(x, For)}
+    if scratch & set(names):
+        return None
+    mapping = {p.name: Param(n, p.dtype, p.size) for p, n in zip(k.params, names)}
+    body = map_nodes(k.body, lambda x: mapping.get(x.name, x) if isinstance(x, Param) else x)
+    return k.replace(params=tuple(mapping[p.name] for p in k.params), body=body)
+
+
 def format_expr(e: Expr) -> str:
     """Canonical one-line text of an expression."""
     if isinstance(e, Var):
@@ -644,3 +680,27 @@ def verify_kernel(k: Kernel) -> None:
     stmt(k.body, {}, {p.name: p for p in k.params}, False)
     if k.parallel_var is not None and not found:
         raise CompileError(f"kernel {k.name!r}: no parallel loop over {k.parallel_var!r}")
+
+
+def affine_form(e: Expr):
+    """``{var name: coefficient, "": constant}`` of an int64 index expression built from
+    constants, variables, ``+``, ``-`` and ``*`` by a constant; None for anything else."""
+    if isinstance(e, Const):
+        return {"": int(e.value)} if e.dtype == "int64" else None
+    if isinstance(e, Var):
+        return {e.name: 1} if e.dtype == "int64" else None
+    if isinstance(e, Bin) and e.op in ("add", "sub", "mul") and e.dtype == "int64":
+        a, b = affine_form(e.a), affine_form(e.b)
+        if a is None or b is None:
+            return None
+        if e.op == "mul":
+            if set(a) <= {""}:
+                a, b = b, a
+            if not set(b) <= {""}:
+                return None
+            return {k: v * b.get("", 0) for k, v in a.items()}
+        out, sign = dict(a), (1 if e.op == "add" else -1)
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + sign * v
+        return out
+    return None

@@ -92,7 +92,6 @@ def _expensive(node) -> bool:
 def _streamable(store: L.Store, loop, guarded: bool) -> bool:
     """True when every widened store of ``store`` covers whole 64-byte-aligned vectors and
     the loop around it computes no transcendental (see _EXPENSIVE_OPS)."""
-    from apollo_py.codegen.llvm import _affine
     size = _SIZES.get(store.buf.dtype)
     if size is None or loop is None or guarded or loop.kind != "vector" or _expensive(loop.body):
         return False
@@ -101,7 +100,7 @@ def _streamable(store: L.Store, loop, guarded: bool) -> bool:
         return False
     if loop.lo.value % vec or loop.hi.value % vec or loop.hi.value <= loop.lo.value:
         return False
-    aff = _affine(store.index)
+    aff = L.affine_form(store.index)
     if aff is None or aff.get(loop.var.name) != 1:
         return False
     return all(c % vec == 0 for name, c in aff.items() if name != loop.var.name)

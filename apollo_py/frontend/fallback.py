@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ApolloError, ShapeError, UnsupportedOpError
 from ..ir.types import TensorType
-from ..ops.fallback import has_reference
+from .onnx_op import has_reference
 from .control_flow import embed_constant_captures, node_captures, op_instance, options_key, run_op
 
 
@@ -197,7 +197,7 @@ def _if_types(proto, node, captured: dict, lowering) -> list[TensorType] | None:
     """Output types of an If whose condition is known only at run time, when ONNX shape
     inference could not tell: lower both branches for the captured values' concrete types
     (lowering only, nothing is compiled) and keep the types if the branches agree."""
-    from . import InputSpec
+    from .program import InputSpec
     from .control_flow import captured_names
     from .onnx import OnnxProgram, _tensor_array, onnx_nodes
 

@@ -8,25 +8,14 @@ forms, changed defaults) are resolved here; the arithmetic lives in
 from __future__ import annotations
 
 from math import prod
-from typing import Callable
 
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.types import FLOAT_DTYPES
 from ..ops import compound as C
+from .converters import CONVERTERS, converter  # noqa: F401  (CONVERTERS: re-exported, filled below)
 from .onnx import NodeContext, onnx_dtype
-
-CONVERTERS: dict[str, Callable] = {}
-
-
-def converter(*op_types: str):
-    """Register the decorated function as the converter of ``op_types``."""
-    def deco(fn):
-        for t in op_types:
-            CONVERTERS[t] = fn
-        return fn
-    return deco
 
 
 def convert_node(cx: NodeContext) -> list:

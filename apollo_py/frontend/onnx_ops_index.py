@@ -1,7 +1,7 @@
 """ONNX converters for index-producing and rearranging ops (ArgMax/ArgMin, Hardmax, OneHot,
 CumSum, DepthToSpace/SpaceToDepth, Round, Trilu, Einsum) and Resize/Upsample.
 
-Registered into :data:`apollo_py.frontend.onnx_ops.CONVERTERS` on import.
+Registered into :data:`apollo_py.frontend.converters.CONVERTERS` on import (by ``onnx_ops``).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from ..ops import compound as C
 from ..ops import compound_index as CI
-from .onnx_ops import converter
+from .converters import converter
 
 # --- index-producing and rearranging ops --------------------------------------------------------
 

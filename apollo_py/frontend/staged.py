@@ -22,6 +22,7 @@ import threading
 from typing import Any, Mapping
 
 import numpy as np
+from cachetools import FIFOCache
 
 from ..errors import UnsupportedOpError
 from ..ir.types import DTYPES
@@ -36,7 +37,7 @@ def compile_nodes_for(name: str, names, arrays, outputs, nodes, inits, opset: in
     """Compile ONNX ``nodes`` as a program named ``name`` whose inputs are ``names`` with the
     shapes and dtypes of ``arrays`` (concrete run-time values); ``bad_dtype(value, dtype)`` is
     the error raised for a dtype apollo_py has no type for."""
-    from . import InputSpec
+    from .program import InputSpec
     from .onnx import OnnxProgram
 
     for n, a in zip(names, arrays):
@@ -90,7 +91,7 @@ class StagedExecutable:
         produced = {o for n in self.rest for o in n.outputs if o}
         # outputs the rest computes come from the tail; the others straight from the values
         self.tail_outputs = tuple(o for o in program.outputs if o in produced)
-        self._tails: dict[tuple, Any] = {}
+        self._tails: FIFOCache = FIFOCache(MAX_TAILS)   # shapes -> compiled tail, oldest dropped first
         self.n_compiled = 0  # tail specialisations compiled so far (the cache keeps MAX_TAILS)
         self._last = None
         self._lock = threading.Lock()
@@ -143,8 +144,6 @@ class StagedExecutable:
                         self.options, lambda n, dt: UnsupportedOpError(
                             self.node.op_type, self.node.name,
                             f"value {n!r} has dtype {dt}, which apollo_py does not support"))
-                    if len(self._tails) >= MAX_TAILS:
-                        self._tails.pop(next(iter(self._tails)))
                     self._tails[key] = exe
                     self.n_compiled += 1
         self._last = exe

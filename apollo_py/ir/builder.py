@@ -6,8 +6,9 @@
     y = b.relu(b.matmul(x, w) + 1.0)
     g = b.build([y])
 
-Every primitive in the registry is a method (``b.add``, ``b.reduce_sum(x, axes=(1,))``...);
-each call checks shapes at once and returns a typed :class:`Value`.  Python scalars given as
+Every primitive of the op table (:mod:`.optable`, filled by ``apollo_py.ops``) is a method
+(``b.add``, ``b.reduce_sum(x, axes=(1,))``...), made on first use; each call checks shapes at
+once and returns a typed :class:`Value`.  Python scalars given as
 operands become constants of the other operand's dtype.
 """
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import GraphError, ShapeError
-from ..ops.registry import all_ops, get_op, infer_types, normalize_attrs
 from .graph import Attrs, ConstArray, Graph, Node
+from .optable import op_table
 from .types import TensorType
 from .verify import verify
 
@@ -105,13 +106,13 @@ class GraphBuilder:
     def op(self, op: str, *inputs: Any, name: str | None = None, outputs: Sequence[str] | None = None,
            **attrs) -> list[Value]:
         """Append primitive ``op`` and return its output values."""
-        opdef = get_op(op, name or "")
+        table = op_table()
+        label = name or ""
+        attrs = table.normalize_attrs(op, attrs, label)
         like = next((x for x in inputs if isinstance(x, Value)), None)
         vals = [self._coerce(x, like) for x in inputs]
-        label = name or ""
-        attrs = normalize_attrs(opdef, attrs, label)
         fattrs = Attrs(attrs)
-        out_types = infer_types(opdef, [v.type for v in vals], fattrs, label)
+        out_types = table.infer_types(op, [v.type for v in vals], fattrs, label)
         if outputs is None:
             outs = [name if (name and k == 0 and name not in self._types) else self.fresh(op)
                     for k in range(len(out_types))]
@@ -139,31 +140,33 @@ class GraphBuilder:
         verify(g)
         return g
 
+    def __getattr__(self, attr: str):
+        # Op methods are made on first use from the op table, which ``ir`` cannot import
+        # (ops sits above it), and kept on the class, so later calls are plain methods.
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        opname = _ALIASES.get(attr, attr)
+        table = op_table()
+        if opname == "constant" or not table.has(opname):
+            raise AttributeError(f"GraphBuilder has no op or attribute {attr!r}")
+        method = _make_method(opname, table.doc(opname))
+        setattr(GraphBuilder, attr, method)
+        return getattr(self, attr)
 
-def _make_method(opname: str):
-    opdef = get_op(opname)
+    def __dir__(self):
+        ops = {n for n in op_table().names() if n != "constant"}
+        return sorted(set(super().__dir__()) | ops | set(_ALIASES))
 
+
+#: friendlier names for some ops
+_ALIASES = {"select": "where", "logical_and": "and", "logical_or": "or", "logical_not": "not",
+            "logical_xor": "xor"}
+
+
+def _make_method(opname: str, doc: str):
     def method(self, *inputs, name: str | None = None, **attrs):
         return self.op(opname, *inputs, name=name, **attrs)[0]
 
     method.__name__ = opname
-    method.__doc__ = opdef.doc
+    method.__doc__ = doc
     return method
-
-
-def _install_methods():
-    for opname in all_ops():
-        if opname == "constant":
-            continue
-        attr = opname if not hasattr(GraphBuilder, opname) else None
-        if attr:
-            setattr(GraphBuilder, attr, _make_method(opname))
-    # friendlier aliases
-    GraphBuilder.select = GraphBuilder.where
-    GraphBuilder.logical_and = getattr(GraphBuilder, "and")
-    GraphBuilder.logical_or = getattr(GraphBuilder, "or")
-    GraphBuilder.logical_not = getattr(GraphBuilder, "not")
-    GraphBuilder.logical_xor = getattr(GraphBuilder, "xor")
-
-
-_install_methods()

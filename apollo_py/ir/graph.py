@@ -19,24 +19,43 @@ from ..errors import GraphError
 from .types import TensorType, dtype_name
 
 
+def _immutable(array) -> bool:
+    """True for a read-only, C-contiguous numpy array over an immutable ``bytes`` object: no
+    one can write to it, so it need not be copied (a 500 MB model's weights, 1.5 s)."""
+    if not isinstance(array, np.ndarray) or array.flags.writeable or not array.flags.c_contiguous:
+        return False
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return isinstance(base, bytes)
+
+
 class ConstArray:
     """An immutable numpy array usable as an attribute value (hashable by content)."""
 
     __slots__ = ("array", "_key")
 
     def __init__(self, array):
-        arr = np.array(array, copy=True)
+        if _immutable(array):   # e.g. an ONNX initializer decoded over its proto's bytes
+            arr = array
+        else:
+            arr = np.array(array, copy=True)
         if arr.dtype.name not in ("float32", "float16", "float64", "int32", "int64", "bool"):
             arr = arr.astype(dtype_name(arr.dtype))
         arr.setflags(write=False)
         self.array = arr
-        h = hashlib.sha256()
-        h.update(f"{arr.dtype.name}{arr.shape}".encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
-        self._key = h.hexdigest()[:32]
+        self._key = None
 
     @property
     def key(self) -> str:
+        """sha256 of dtype, shape and content (computed on first use: a compile that never
+        compares a model's large weights need not hash them)."""
+        if self._key is None:
+            arr = self.array
+            h = hashlib.sha256()
+            h.update(f"{arr.dtype.name}{arr.shape}".encode())
+            h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data if arr.size else b"")
+            self._key = h.hexdigest()[:32]
         return self._key
 
     @property
@@ -44,16 +63,16 @@ class ConstArray:
         return TensorType(self.array.shape, self.array.dtype.name)
 
     def __hash__(self):
-        return hash(self._key)
+        return hash(self.key)
 
     def __eq__(self, other):
-        return isinstance(other, ConstArray) and other._key == self._key
+        return isinstance(other, ConstArray) and (other is self or other.key == self.key)
 
     def __repr__(self):
         a = self.array
         if a.size <= 8:
             return f"const({a.tolist()!r}, {a.dtype.name})"
-        return f"const({a.dtype.name}{list(a.shape)}#{self._key[:8]})"
+        return f"const({a.dtype.name}{list(a.shape)}#{self.key[:8]})"
 
 
 def _freeze(value: Any) -> Any:

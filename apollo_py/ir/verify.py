@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..errors import GraphError, ShapeError
 from .graph import Graph
+from .optable import op_table
 
 
 def verify(graph: Graph) -> Graph:
@@ -12,8 +13,7 @@ def verify(graph: Graph) -> Graph:
     rules out cycles, since ``nodes`` must be topologically ordered); outputs are defined;
     every value has a type; each node's declared output types match its op's shape rule.
     """
-    from ..ops.registry import get_op, has_op, infer_types
-
+    table = op_table()
     defined: set[str] = set()
     for v in graph.inputs:
         if v in defined:
@@ -32,8 +32,8 @@ def verify(graph: Graph) -> Graph:
             if o not in graph.types:
                 raise GraphError(f"node {n.label!r} ({n.op}) output {o!r} has no type")
             defined.add(o)
-        if has_op(n.op):
-            want = infer_types(get_op(n.op), [graph.types[v] for v in n.inputs], n.attrs, n.label)
+        if table.has(n.op):
+            want = table.infer_types(n.op, [graph.types[v] for v in n.inputs], n.attrs, n.label)
             got = [graph.types[o] for o in n.outputs]
             if want != got:
                 raise ShapeError(f"node {n.label!r} ({n.op}): declared output types "

@@ -2,7 +2,7 @@
 
 Expects the StepSpec list of :func:`apollo_py.layers.lowering.lower_micro_graphs` and returns
 an equivalent list in which every matmul that runs through numpy (``Options.gemm`` picked BLAS)
-is a :class:`~apollo_py.runtime.blas.BlasDesc` step, with these neighbours folded into it:
+is a :class:`BlasDesc` step, with these neighbours folded into it:
 
 * a 2-d ``transpose`` (perm (1, 0)) producing an operand that nothing else reads becomes the
   operand's ``trans`` flag (no copy);
@@ -18,18 +18,62 @@ is a :class:`~apollo_py.runtime.blas.BlasDesc` step, with these neighbours folde
 A folded call runs at the position of the last step it absorbed (its operands are still live
 there; its result was read by nothing in between).  Matmuls whose operands are not float32 or
 float64, or whose ranks are not (N-d or 1-d) @ (2-d or 1-d), stay numpy steps, as does every
-matmul when no cblas is found next to numpy.
+matmul when the runtime finds no cblas next to numpy (``blas_available``; the compiler asks
+:func:`apollo_py.runtime.blas.cblas`).  The descriptor is defined here, the ctypes binding that
+runs it (:class:`~apollo_py.runtime.blas.BlasStep`) in the runtime: a compile-time pass does
+not load a shared library.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..ir.graph import Graph
-from ..runtime.blas import BlasDesc, cblas
 
 _DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class BlasDesc:
+    """One folded BLAS call: ``out = alpha * op(a) @ op(b) (+ acc)``.
+
+    ``a`` is stored ``[k, m]`` if ``trans_a`` else ``[m, k]`` (an N-d ``a`` without ``trans_a``
+    is read as its flattened rows), ``b`` likewise ``[n, k]`` / ``[k, n]``; ``acc`` (a value broadcasting to
+    the output's shape, or None) is added (``beta = 1``).  ``nodes`` are the graph nodes the
+    call computes (the matmul plus any folded transposes and update ops).
+    """
+
+    a: str
+    b: str
+    trans_a: bool
+    trans_b: bool
+    m: int
+    n: int
+    k: int
+    alpha: float
+    acc: str | None
+    out: str
+    dtype: str
+    nodes: tuple
+
+    @property
+    def inputs(self) -> tuple:
+        return tuple(dict.fromkeys(v for v in (self.a, self.b, self.acc) if v is not None))
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    def formula(self) -> str:
+        ta, tb = ("ᵀ" if self.trans_a else ""), ("ᵀ" if self.trans_b else "")
+        core = f"{self.a}{ta} @ {self.b}{tb}"
+        scale = abs(self.alpha) if self.acc else self.alpha
+        if scale != 1.0:
+            core = f"{scale:g} * {core}"
+        if self.acc is None:
+            return f"{self.out} = {core}"
+        return f"{self.out} = {self.acc} {'-' if self.alpha < 0 else '+'} {core}"
 
 
 def _nodes(spec) -> tuple:
@@ -122,11 +166,12 @@ def _bias_of(spec, add, result: str, graph: Graph):
     return bias, 1.0, add.outputs[0]
 
 
-def fold_blas(specs: list, graph: Graph) -> list:
-    """``specs`` with numpy matmuls turned into folded BLAS steps (see the module docs)."""
-    if cblas() is None:
+def fold_blas(specs: list, graph: Graph, blas_available: bool) -> list:
+    """``specs`` with numpy matmuls turned into folded BLAS steps (see the module docs);
+    ``specs`` unchanged when ``blas_available`` is false."""
+    if not blas_available:
         return list(specs)
-    from .lowering import StepSpec
+    from .steps import StepSpec
     specs = list(specs)
     alive = [True] * len(specs)
 

@@ -19,9 +19,10 @@ feedback events: the first occurrence did.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import replace
 from typing import Mapping, Sequence
+
+from cachetools import LRUCache
 
 from ..codegen import loopir as L
 from ..ir.graph import Node
@@ -29,7 +30,7 @@ from ..options import Options
 from .layer1 import fuse_micro_graph
 
 MAX_ENTRIES = 4096
-_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MEMO: LRUCache = LRUCache(MAX_ENTRIES)   # structural key -> (canonical nodes, fused kernels)
 _LOCK = threading.Lock()
 
 
@@ -60,19 +61,15 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
            tuple((c, types[v]) for v, c in names.items()), options)
     with _LOCK:
         hit = _MEMO.get(key)
-        if hit is not None:
-            _MEMO.move_to_end(key)
     if hit is None:
         cnodes = [n.replace(inputs=tuple(names[v] for v in n.inputs),
                             outputs=tuple(names[v] for v in n.outputs)) for n in nodes]
         ctypes = {c: types[v] for v, c in names.items()}
-        fused = fuse_micro_graph(cnodes, ctypes, [names[v] for v in inputs], [names[v] for v in outputs],
-                                 options)
+        cin, cout = [names[v] for v in inputs], [names[v] for v in outputs]
+        fused = _stored_or_fused(cnodes, ctypes, cin, cout, options)
         hit = (tuple(cnodes), tuple(fused))
         with _LOCK:
             _MEMO[key] = hit
-            while len(_MEMO) > MAX_ENTRIES:
-                _MEMO.popitem(last=False)
     cnodes, fused = hit
     back = {c: v for v, c in names.items()}
     real = {id(cn): n for cn, n in zip(cnodes, nodes)}
@@ -90,48 +87,29 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
     return out
 
 
-def _ident(name: str, taken: set) -> str:
-    from ..poly.ast_to_loopir import _ident as ident
-    return ident(name, taken)
+def _stored_or_fused(cnodes, ctypes, cin, cout, options: Options) -> tuple:
+    """Layer 1's kernels for a canonically named micro-graph: from the disk store in
+    ``options.cache_dir`` (layers/fuse_store.py), else fused now, keyed for codegen and stored."""
+    from ..codegen.cached import kernel_key, piece_cache, remember_text
+    from . import fuse_store
+    cache = piece_cache(options.cache_dir) if options.cache_dir else None
+    skey = fuse_store.store_key(cnodes, cin, cout, ctypes, options) if cache is not None else ""
+    if cache is not None:
+        got = fuse_store.load(cache, skey, cnodes)
+        if got is not None:
+            return got
+    fused = []
+    for f in fuse_micro_graph(cnodes, ctypes, cin, cout, options):
+        key, text = kernel_key(f.loop)
+        remember_text(key, text)
+        fused.append(replace(f, object_key=key))
+    if cache is not None:
+        fuse_store.save(cache, skey, fused, cnodes)
+    return tuple(fused)
 
 
 def _rename_params(k: L.Kernel, values: Sequence[str]):
     """``k`` with its params named after ``values`` (in order); None on a name collision."""
+    from ..poly.ast_to_loopir import _ident
     taken: set = set()
-    new = [_ident(v, taken) for v in values]
-    if len(new) != len(k.params):
-        return None
-    scratch: set = set()
-
-    def names_in(x):
-        if isinstance(x, (L.Alloc, L.Local)):
-            scratch.add(x.name)
-        if isinstance(x, L.For):
-            scratch.add(x.var.name)
-        if is_dataclass(x) and not isinstance(x, L.Param):
-            for fl in fields(x):
-                names_in(getattr(x, fl.name))
-        elif isinstance(x, tuple):
-            for v in x:
-                names_in(v)
-    names_in(k.body)
-    if scratch & set(new):
-        return None
-    mapping = {p.name: L.Param(n, p.dtype, p.size) for p, n in zip(k.params, new)}
-
-    def walk(x):
-        if isinstance(x, L.Param):
-            return mapping.get(x.name, x)
-        if is_dataclass(x) and not isinstance(x, type):
-            changes = {}
-            for fl in fields(x):
-                v = getattr(x, fl.name)
-                nv = walk(v)
-                if nv is not v:
-                    changes[fl.name] = nv
-            return replace(x, **changes) if changes else x
-        if isinstance(x, tuple):
-            t = tuple(walk(v) for v in x)
-            return t if any(a is not b for a, b in zip(t, x)) else x
-        return x
-    return k.replace(params=tuple(mapping[p.name] for p in k.params), body=walk(k.body))
+    return L.rename_params(k, [_ident(v, taken) for v in values])

@@ -78,7 +78,7 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
     of ``epilogue`` (``rest`` = the nodes left for layer 1), or ``(None, epilogue, reason)``
     when BLAS runs the head, ``reason`` saying why."""
     from ..codegen.gemm import EpiOperand, conv_desc, matmul_desc
-    from .lowering import StepSpec
+    from .steps import StepSpec
     types = graph.types
     why = _reason_blas(head, types, options)
     if why:

@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .cost import Machine
+import networkx as nx
+
+from ..machine import Machine
 
 
 @dataclass(frozen=True)
@@ -31,19 +33,20 @@ class ParallelPolicy:
 
 
 def _levels(kernels: Sequence) -> list[int]:
-    """Longest-path depth of each kernel in the DAG given by value names."""
+    """Longest-path depth of each kernel in the DAG given by value names (networkx's
+    topological generations; a value read before it is produced is not an edge)."""
     producer = {}
     for i, k in enumerate(kernels):
         for v in k.outputs:
             producer[v] = i
-    depth = []
-    for i, k in enumerate(kernels):
-        d = 0
-        for v in k.inputs:
-            j = producer.get(v)
-            if j is not None and j < i:
-                d = max(d, depth[j] + 1)
-        depth.append(d)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(kernels)))
+    dag.add_edges_from((producer[v], i) for i, k in enumerate(kernels) for v in k.inputs
+                       if producer.get(v, i) < i)
+    depth = [0] * len(kernels)
+    for d, generation in enumerate(nx.topological_generations(dag)):
+        for i in generation:
+            depth[i] = d
     return depth
 
 

@@ -17,7 +17,6 @@ micro-graph falls back to a reference step and says why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import CompileError
@@ -25,98 +24,11 @@ from ..ir.graph import Graph
 from ..options import Options
 from .fuse_memo import fuse_nodes
 from .layer2 import stitch_groups
+from .steps import StepSpec
 
 REFERENCE_OPS = {"reshape", "transpose", "slice", "concat", "pad", "gather", "onnx_op", "scatter_add",
                  "constant"}
 BLAS_OPS = {"matmul", "conv"}
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """What one runtime step computes: ``fused`` (FusedKernel) or reference ``nodes`` + reason."""
-
-    inputs: tuple
-    outputs: tuple
-    fused: object = None
-    nodes: tuple = ()
-    reason: str = ""
-    micro_graphs: tuple = field(default=())
-    gemm: object = None     # codegen.gemm.GemmDesc: the generated GEMM runs ``nodes``
-    blas: object = None     # runtime.blas.BlasDesc: one cblas ?gemm call runs ``nodes`` (blas_fold.py)
-
-    def to_dict(self) -> dict:
-        if self.blas is not None:
-            return {"kind": "blas", "call": self.blas.formula(), "ops": [n.op for n in self.nodes],
-                    "inputs": list(self.inputs), "outputs": list(self.outputs), "reason": self.reason,
-                    "micro_graphs": list(self.micro_graphs)}
-        if self.gemm is not None:
-            return {"kind": "gemm", "name": self.gemm.name, "ops": [n.op for n in self.nodes],
-                    "inputs": list(self.inputs), "outputs": list(self.outputs), "reason": self.reason,
-                    "micro_graphs": list(self.micro_graphs)}
-        if self.fused is not None:
-            d = self.fused.to_dict()
-            d["kind"] = "kernel"
-            d["micro_graphs"] = list(self.micro_graphs)
-            return d
-        return {"kind": "reference", "ops": [n.op for n in self.nodes], "inputs": list(self.inputs),
-                "outputs": list(self.outputs), "reason": self.reason, "micro_graphs": list(self.micro_graphs)}
-
-    # --- plan.kernels[i] attributes (DESIGN §9): zeros / empty for numpy steps ---
-    @property
-    def parallel_dims(self) -> int:
-        """Depth of the outer band split across threads (0 for a numpy step)."""
-        return self.fused.parallel_dims if self.fused is not None else 0
-
-    @property
-    def tile_sizes(self) -> tuple:
-        """Tiles applied to the parallel band (``()`` = untiled or a numpy step)."""
-        return tuple(self.fused.tile_sizes) if self.fused is not None else ()
-
-    @property
-    def flops(self) -> int:
-        """Estimated floating-point operations of a generated kernel or a BLAS call (0 for a
-        numpy step)."""
-        if self.blas is not None:
-            return self.blas.flops
-        return self.fused.flops if self.fused is not None else 0
-
-    @property
-    def bytes(self) -> int:
-        """Estimated compulsory bytes a generated kernel moves (0 for a numpy step)."""
-        return self.fused.bytes if self.fused is not None else 0
-
-    def source(self, kind: str = "llvm") -> str:
-        """Generated source of this step: ``"llvm"`` (unoptimised LLVM IR) or ``"c"`` text.
-
-        A numpy step has no generated source; the text says which numpy reference runs instead.
-        """
-        if kind not in ("llvm", "c"):
-            raise CompileError(f"source kind must be 'llvm' or 'c', not {kind!r}")
-        if self.gemm is not None:
-            if kind == "c":
-                return f"; generated GEMM {self.gemm.name} has LLVM source only ({self.reason})"
-            from ..codegen.gemm import render_gemm
-            return render_gemm(self.gemm)
-        if self.blas is not None:
-            return f"; cblas ?gemm call, no generated code: {self.blas.formula()} ({self.reason})"
-        if self.fused is None:
-            return f"; numpy step, no generated code: {' '.join(n.op for n in self.nodes)} ({self.reason})"
-        if kind == "c":
-            from ..codegen.c import render_c
-            return render_c(self.fused.loop)
-        from ..codegen.llvm import render_llvm
-        return render_llvm(self.fused.loop)
-
-    def describe(self) -> str:
-        if self.blas is not None:
-            return f"blas   {self.blas.formula()}: {' '.join(n.op for n in self.nodes)}  ({self.reason})"
-        if self.gemm is not None:
-            return f"gemm   {self.gemm.name}: {' '.join(n.op for n in self.nodes)}  ({self.reason})"
-        if self.fused is not None:
-            f = self.fused
-            return (f"kernel {f.name}: {' '.join(n.op for n in f.nodes)}  [parallel dims {f.parallel_dims}, "
-                    f"{f.strategy}]")
-        return f"numpy  {' '.join(n.op for n in self.nodes)}  ({self.reason})"
 
 
 def _boundary(nodes, graph: Graph, later_reads: set) -> tuple[tuple, tuple]:
@@ -225,7 +137,8 @@ def _transpose_step(node, graph: Graph, later: set, group: tuple):
     if t_in.dtype not in ("float32", "float64", "int32", "int64") or t_in.size < TRANSPOSE_KERNEL_MIN:
         return None
     perm = tuple(int(p) for p in node.attrs["perm"])
-    name = "copy_" + hashlib.sha1(f"{node.op}{node.inputs}{node.outputs}{perm}".encode()).hexdigest()[:10]
+    # named by structure, not by value names: the same transpose in every layer is one piece
+    name = "copy_" + hashlib.sha1(f"{t_in.dtype}{t_in.shape}{perm}".encode()).hexdigest()[:10]
     loop = transpose_kernel(name, t_in.shape, perm, t_in.dtype)
     ins, outs = (node.inputs[0],), (node.outputs[0],)
     fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,

@@ -1,5 +1,11 @@
-"""Primitive ops (registry, references, access relations, classes) and compound decompositions."""
+"""Primitive ops (registry, references, access relations, classes) and compound decompositions.
+
+Importing the package registers every primitive (``primitives`` and ``structural`` call
+:func:`~apollo_py.ops.registry.register` on import), so any ``apollo_py.ops.*`` import sees the
+full op set; the registry module itself imports no op definitions.
+"""
 from .registry import OpDef, all_ops, get_op, has_op
+from . import primitives  # noqa: F401  (registers the primitives; primitives imports structural)
 from .classify import classify, CLASSES
 
 __all__ = ["OpDef", "all_ops", "get_op", "has_op", "classify", "CLASSES"]

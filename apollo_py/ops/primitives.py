@@ -314,4 +314,4 @@ register(OpDef("iota", COMPUTED, lambda ins, a: [TensorType(tuple(a["shape"]), a
                attrs={"shape": REQUIRED, "axis": REQUIRED, "dtype": "int64"}, scalar="iota",
                doc="index along `axis`, broadcast to `shape`"))
 
-from . import structural, fallback  # noqa: E402,F401  (register opaque and fallback ops)
+from . import structural  # noqa: E402,F401  (registers the opaque ops)

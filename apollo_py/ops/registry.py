@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import ShapeError, UnsupportedOpError
+from ..ir import optable
 from ..ir.types import TensorType
 
 # kinds an OpDef can declare
@@ -77,7 +78,6 @@ def register(opdef: OpDef) -> OpDef:
 
 def get_op(name: str, node: str = "") -> OpDef:
     """The OpDef called ``name``; UnsupportedOpError naming ``node`` if there is none."""
-    _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -85,13 +85,11 @@ def get_op(name: str, node: str = "") -> OpDef:
 
 
 def has_op(name: str) -> bool:
-    _ensure_loaded()
     return name in _REGISTRY
 
 
 def all_ops() -> dict[str, OpDef]:
     """A copy of the registry: name -> OpDef."""
-    _ensure_loaded()
     return dict(_REGISTRY)
 
 
@@ -128,11 +126,23 @@ def infer_types(opdef: OpDef, in_types: Sequence[TensorType], attrs: Mapping[str
         raise ShapeError(f"{where}: invalid operands {[str(t) for t in in_types]}: {e}") from None
 
 
-_LOADED = False
+class _RegistryTable:
+    """This registry as the IR's :class:`~apollo_py.ir.optable.OpTable`."""
+
+    def has(self, op: str) -> bool:
+        return has_op(op)
+
+    def names(self):
+        return all_ops().keys()
+
+    def doc(self, op: str) -> str:
+        return get_op(op).doc
+
+    def normalize_attrs(self, op, attrs, node=""):
+        return normalize_attrs(get_op(op, node), attrs, node)
+
+    def infer_types(self, op, in_types, attrs, node=""):
+        return infer_types(get_op(op, node), in_types, attrs, node)
 
 
-def _ensure_loaded():
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        from . import primitives  # noqa: F401  (registers on import)
+optable.provide(_RegistryTable())

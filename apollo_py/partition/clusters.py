@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 
+import networkx as nx
+
 from ..errors import UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ops.classify import classify
@@ -29,14 +31,8 @@ def canonical_order(graph: Graph) -> list[int]:
     from the same values for the same uses, and are interchangeable.
     """
     keys = graph.value_keys
-    depth_of: dict[str, int] = {}
-    depth, fkey = [], []
-    for n in graph.nodes:
-        d = 1 + max((depth_of.get(v, 0) for v in n.inputs), default=0)
-        for o in n.outputs:
-            depth_of[o] = d
-        depth.append(d)
-        fkey.append(keys[n.outputs[0]] if n.outputs else n.op)
+    depth = node_levels(graph)
+    fkey = [keys[n.outputs[0]] if n.outputs else n.op for n in graph.nodes]
     # Equal forward keys (the same computation twice, before CSE) are told apart by how the
     # values are used: a backward key over consumers' keys and operand positions.
     index = {id(n): k for k, n in enumerate(graph.nodes)}
@@ -54,6 +50,20 @@ def canonical_order(graph: Graph) -> list[int]:
                 uses.extend(f"{fkey[kc]}{bkey[kc]}@{p}.{j}" for p, v in enumerate(c.inputs) if v == o)
         bkey[k] = _sha("|".join(sorted(uses)))
     return sorted(range(len(graph.nodes)), key=lambda k: (depth[k], fkey[k], bkey[k], k))
+
+
+def node_levels(graph: Graph) -> list[int]:
+    """Per node, 1 + the longest path to it from graph inputs and constants (networkx's
+    topological generations of the node DAG, counted from 1)."""
+    index = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(graph.nodes)))
+    dag.add_edges_from((index[v], k) for k, n in enumerate(graph.nodes) for v in n.inputs if v in index)
+    level = [0] * len(graph.nodes)
+    for d, generation in enumerate(nx.topological_generations(dag), start=1):
+        for k in generation:
+            level[k] = d
+    return level
 
 
 def _sha(text: str) -> str:
@@ -82,27 +92,18 @@ def find_clusters(graph: Graph, order: list[int] | None = None) -> list[list[int
     by their first node).  Expects a verified graph; constants belong to no cluster, each
     non-compilable op is left out (it runs on its own)."""
     order = canonical_order(graph) if order is None else order
-    parent = list(range(len(graph.nodes)))
-
-    def find(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
     index = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs}
     ok = [is_compilable(n) for n in graph.nodes]
+    parts = nx.utils.UnionFind(k for k in range(len(graph.nodes)) if ok[k])
     for k, n in enumerate(graph.nodes):
         if not ok[k]:
             continue
         for v in n.inputs:
             j = index.get(v)
             if j is not None and ok[j]:
-                ra, rb = find(j), find(k)
-                if ra != rb:
-                    parent[max(ra, rb)] = min(ra, rb)
+                parts.union(j, k)
     groups: dict[int, list[int]] = {}
     for k in order:
         if ok[k]:
-            groups.setdefault(find(k), []).append(k)
+            groups.setdefault(parts[k], []).append(k)
     return list(groups.values())

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import CompileError
 from ..ir.graph import Graph
-from ..runtime.reference import run_nodes
+from ..ops.evaluate import run_nodes
 from .micrograph import MicroGraph
 
 

@@ -17,7 +17,7 @@ from ..ir.graph import Attrs, ConstArray, Graph, Node
 from ..ir.verify import verify
 from ..ops.registry import FALLBACK, get_op, has_op
 from ..options import Options
-from ..runtime.reference import run_nodes
+from ..ops.evaluate import run_nodes
 
 # Results of up to this many elements are always folded; larger ones only when they are no
 # bigger than the constants they are computed from (a transpose of a weight folds, a

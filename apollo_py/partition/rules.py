@@ -19,6 +19,9 @@ The base table ships in ``apollo_py/partition/rules.toml``.  A user overlay (TOM
 A ``disable_for`` signature is the pattern signature (:mod:`.signature`) of the micro-graph the
 merge would produce.  Every problem — malformed TOML, an unknown key, class or rule id, a
 duplicate id, a wrong version — raises :class:`~apollo_py.errors.RuleError` naming the file.
+The shape of both files (keys, types, the version) is a JSON Schema (:data:`BASE_SCHEMA`,
+:data:`OVERLAY_SCHEMA`, checked with ``jsonschema``); what the schema cannot know (class names,
+rule ids, primitive names, duplicates) is checked here.
 """
 from __future__ import annotations
 
@@ -38,9 +41,60 @@ from ..ops.classify import CLASSES
 TABLE_VERSION = 1
 DEFAULT_RULES_PATH = os.path.join(os.path.dirname(__file__), "rules.toml")
 
-_RULE_KEYS = {"id", "producer", "consumer", "result", "producer_opaque_ops", "description"}
-_OVERLAY_KEYS = {"version", "disable", "disable_for", "rule", "description"}
-_DISABLE_FOR_KEYS = {"rule", "signature", "reason"}
+_STRINGS = {"type": "array", "items": {"type": "string"}}
+_CLASS_NAMES = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]}
+
+
+def _rule_schema(extra: dict) -> dict:
+    return {"type": "object", "required": ["id", "producer", "consumer", "result"],
+            "additionalProperties": False,
+            "properties": {"id": {"type": "string", "minLength": 1}, "producer": _CLASS_NAMES,
+                           "consumer": _CLASS_NAMES, "result": {"type": "string"},
+                           "producer_opaque_ops": {**_STRINGS, "minItems": 1},
+                           "description": {"type": "string"}, **extra}}
+
+
+#: the shipped table (``rules.toml``)
+BASE_SCHEMA = {"type": "object", "required": ["version"], "additionalProperties": False,
+               "properties": {"version": {"const": TABLE_VERSION},
+                              "rule": {"type": "array", "items": _rule_schema({})}}}
+#: a user overlay: rules may carry ``after``; ``disable``, ``disable_for`` (see the module docs)
+OVERLAY_SCHEMA = {
+    "type": "object", "required": ["version"], "additionalProperties": False,
+    "properties": {
+        "version": {"const": TABLE_VERSION}, "description": {},
+        "rule": {"type": "array", "items": _rule_schema({"after": {"type": "string"}})},
+        "disable": _STRINGS,
+        "disable_for": {"type": "array", "items": {
+            "type": "object", "required": ["rule", "signature"], "additionalProperties": False,
+            "properties": {"rule": {"type": "string"}, "signature": {"type": "string", "minLength": 1},
+                           "reason": {}}}}}}
+
+
+def _check_schema(doc: Any, schema: dict, where: str) -> None:
+    """RuleError naming ``where`` and the offending entry for the first schema violation."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+    err = best_match(Draft202012Validator(schema).iter_errors(doc))
+    if err is None:
+        return
+    path = list(err.absolute_path)
+    loc = "".join(f" #{p + 1}" if isinstance(p, int) else f": {p}" for p in path)
+    top = not path
+    if err.validator == "required":
+        key = next(k for k in err.validator_value if k not in err.instance)
+        what = f"missing `version = {TABLE_VERSION}`" if top and key == "version" else f"missing key {key!r}"
+    elif err.validator == "additionalProperties":
+        known = sorted(err.schema["properties"])
+        what = (f"unknown {'top-level ' if top else ''}key(s) {sorted(set(err.instance) - set(known))}; "
+                f"accepted: {known}")
+    elif err.validator == "const" and path == ["version"]:
+        loc, what = "", f"version {err.instance!r} is not supported (this apollo_py reads version {TABLE_VERSION})"
+    elif err.validator == "anyOf":
+        what = f"{err.instance!r} must be a class name or a non-empty list of them"
+    else:
+        what = err.message
+    raise RuleError(f"{where}{loc}: {what}")
 
 
 @dataclass(frozen=True)
@@ -99,73 +153,38 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def _classes(value: Any, key: str, where: str) -> frozenset[str]:
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
-        raise RuleError(f"{where}: {key!r} must be a class name or a non-empty list of them, got {value!r}")
     for v in items:
         if v not in CLASSES:
             raise RuleError(f"{where}: unknown class {v!r} in {key!r}; classes are {list(CLASSES)}")
     return frozenset(items)
 
 
-def _parse_rule(entry: Any, where: str, extra_keys: frozenset[str] = frozenset()) -> Rule:
-    if not isinstance(entry, dict):
-        raise RuleError(f"{where}: a rule must be a table, got {entry!r}")
-    unknown = set(entry) - _RULE_KEYS - extra_keys
-    if unknown:
-        raise RuleError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(_RULE_KEYS | extra_keys)}")
-    for k in ("id", "producer", "consumer", "result"):
-        if k not in entry:
-            raise RuleError(f"{where}: missing key {k!r}")
+def _parse_rule(entry: dict, where: str) -> Rule:
+    """A schema-checked rule table as a :class:`Rule` (class and op names checked here)."""
     rid = entry["id"]
-    if not isinstance(rid, str) or not rid:
-        raise RuleError(f"{where}: rule id must be a non-empty string, got {rid!r}")
     where = f"{where} (rule {rid!r})"
     result = entry["result"]
-    if not isinstance(result, str) or result not in CLASSES:
+    if result not in CLASSES:
         raise RuleError(f"{where}: unknown result class {result!r}; classes are {list(CLASSES)}")
     ops = entry.get("producer_opaque_ops")
     if ops is not None:
-        if not isinstance(ops, list) or not ops or not all(isinstance(o, str) for o in ops):
-            raise RuleError(f"{where}: producer_opaque_ops must be a non-empty list of op names")
         from ..ops.registry import has_op
         for o in ops:
             if not has_op(o):
                 raise RuleError(f"{where}: producer_opaque_ops names unknown primitive {o!r}")
         ops = frozenset(ops)
     desc = entry.get("description", "")
-    if not isinstance(desc, str):
-        raise RuleError(f"{where}: description must be a string")
     return Rule(rid, _classes(entry["producer"], "producer", where), _classes(entry["consumer"], "consumer", where),
                 result, ops, frozenset(), desc)
-
-
-def _check_version(doc: dict, path: str) -> int:
-    v = doc.get("version")
-    if v is None:
-        raise RuleError(f"rule file {path!r}: missing `version = {TABLE_VERSION}`")
-    if v != TABLE_VERSION:
-        raise RuleError(f"rule file {path!r}: version {v!r} is not supported (this apollo_py reads version "
-                        f"{TABLE_VERSION})")
-    return v
-
-
-def _rule_list(doc: dict, path: str) -> list:
-    entries = doc.get("rule", [])
-    if not isinstance(entries, list):
-        raise RuleError(f"rule file {path!r}: `rule` must be an array of tables ([[rule]])")
-    return entries
 
 
 @lru_cache(maxsize=8)
 def _load_base(path: str, mtime: float) -> RuleTable:
     doc = _read_toml(path)
-    unknown = set(doc) - {"version", "rule"}
-    if unknown:
-        raise RuleError(f"rule file {path!r}: unknown top-level key(s) {sorted(unknown)}")
-    version = _check_version(doc, path)
-    rules = [_parse_rule(e, f"{path}: rule #{k + 1}") for k, e in enumerate(_rule_list(doc, path))]
+    _check_schema(doc, BASE_SCHEMA, f"rule file {path!r}")
+    rules = [_parse_rule(e, f"{path}: rule #{k + 1}") for k, e in enumerate(doc.get("rule", []))]
     _check_unique(rules, path)
-    return RuleTable(version, tuple(rules), (path,))
+    return RuleTable(doc["version"], tuple(rules), (path,))
 
 
 def _check_unique(rules: list[Rule], path: str) -> None:
@@ -179,14 +198,10 @@ def _check_unique(rules: list[Rule], path: str) -> None:
 def apply_overlay(table: RuleTable, path: str) -> RuleTable:
     """``table`` with the user overlay at ``path`` applied (see the module docstring)."""
     doc = _read_toml(path)
-    unknown = set(doc) - _OVERLAY_KEYS
-    if unknown:
-        raise RuleError(f"overlay {path!r}: unknown top-level key(s) {sorted(unknown)}; accepted: "
-                        f"{sorted(_OVERLAY_KEYS)}")
-    _check_version(doc, path)
+    _check_schema(doc, OVERLAY_SCHEMA, f"overlay {path!r}")
     rules = list(table.rules)
-    for k, entry in enumerate(_rule_list(doc, path)):
-        rule = _parse_rule(entry, f"overlay {path!r}: rule #{k + 1}", frozenset({"after"}))
+    for k, entry in enumerate(doc.get("rule", [])):
+        rule = _parse_rule(entry, f"overlay {path!r}: rule #{k + 1}")
         if rule.id in {r.id for r in rules}:
             raise RuleError(f"overlay {path!r}: added rule id {rule.id!r} already exists")
         after = entry.get("after")
@@ -198,26 +213,14 @@ def apply_overlay(table: RuleTable, path: str) -> RuleTable:
                 raise RuleError(f"overlay {path!r}: rule {rule.id!r} is placed after unknown rule {after!r}")
             rules.insert(pos.index(after) + 1, rule)
     disable = doc.get("disable", [])
-    if not isinstance(disable, list) or not all(isinstance(d, str) for d in disable):
-        raise RuleError(f"overlay {path!r}: `disable` must be a list of rule ids")
     ids = [r.id for r in rules]
     for d in disable:
         if d not in ids:
             raise RuleError(f"overlay {path!r}: cannot disable unknown rule {d!r}; rules are {ids}")
     rules = [r for r in rules if r.id not in disable]
-    dfor = doc.get("disable_for", [])
-    if not isinstance(dfor, list):
-        raise RuleError(f"overlay {path!r}: `disable_for` must be an array of tables ([[disable_for]])")
-    for k, entry in enumerate(dfor):
+    for k, entry in enumerate(doc.get("disable_for", [])):
         where = f"overlay {path!r}: disable_for #{k + 1}"
-        if not isinstance(entry, dict):
-            raise RuleError(f"{where}: must be a table")
-        bad = set(entry) - _DISABLE_FOR_KEYS
-        if bad:
-            raise RuleError(f"{where}: unknown key(s) {sorted(bad)}; accepted: {sorted(_DISABLE_FOR_KEYS)}")
-        rid, sig = entry.get("rule"), entry.get("signature")
-        if not isinstance(rid, str) or not isinstance(sig, str) or not sig:
-            raise RuleError(f"{where}: needs `rule` (a rule id) and `signature` (a non-empty string)")
+        rid, sig = entry["rule"], entry["signature"]
         if rid not in ids:
             raise RuleError(f"{where}: unknown rule {rid!r}; rules are {ids}")
         rules = [replace(r, disabled_signatures=r.disabled_signatures | {sig}) if r.id == rid else r

@@ -21,6 +21,7 @@ import islpy as isl
 import numpy as np
 
 from ..codegen import loopir as L
+from ..codegen.scalar_ops import scalar_op
 from .range_facts import mark_shifted_exp
 from ..errors import CompileError
 from .statements import COMPUTE, INIT, UPDATE, PolyProgram, Statement
@@ -320,43 +321,6 @@ def _contiguous_reduction(shape, axes) -> bool:
     return red == big[len(big) - len(red):]
 
 
-def scalar_op(n, args, dom, odt) -> L.Expr:
-    """The loop-IR expression of elementwise primitive ``n`` on operand expressions ``args``."""
-    from ..ops.registry import get_op
-    op = get_op(n.op).scalar
-    if op in ("add", "sub", "mul", "max", "min", "pow", "lt", "le", "gt", "ge", "eq", "ne",
-              "and", "or"):
-        return L.Bin(op, args[0], args[1])
-    if op == "div":
-        a, b = args
-        if L.is_float(a.dtype):
-            return L.Bin("div", a, b)
-        q = _floordiv_signed(a, b)
-        return q
-    if op == "xor":
-        return L.ne(args[0], args[1])
-    if op in L.UNARY_OPS:
-        return L.Un(op, args[0])
-    if op == "select":
-        return L.Select(args[0], args[1], args[2])
-    if op == "cast":
-        return L.Cast(odt, args[0])
-    if op == "copy":
-        return args[0]
-    if op == "iota":
-        return L.Cast(odt, dom[int(n.attrs["axis"])])
-    raise CompileError(f"node {n.label!r} ({n.op}): no loop-IR lowering for scalar op {op!r}")
-
-
-def _floordiv_signed(a: L.Expr, b: L.Expr) -> L.Expr:
-    """Integer division truncating toward zero (ONNX), from non-negative floordiv/mod."""
-    zero = L.as_expr(0, a.dtype)
-    aa = L.Select(L.lt(a, zero), -a, a)
-    bb = L.Select(L.lt(b, zero), -b, b)
-    q = aa // bb
-    return L.Select(L.ne(L.lt(a, zero), L.lt(b, zero)), -q, q)
-
-
 def mark_loops(stmt: L.Stmt, parallel: bool):
     """Mark the outermost loop parallel (returns (stmt, var, extent)) and innermost
     assignment-free loops ``vector``."""
@@ -390,32 +354,17 @@ def mark_loops(stmt: L.Stmt, parallel: bool):
 
 
 def _stores(s) -> list:
-    if isinstance(s, L.Store):
-        return [s]
-    if isinstance(s, L.Block):
-        return [x for y in s.stmts for x in _stores(y)]
-    if isinstance(s, L.If):
-        return _stores(s.then) + (_stores(s.else_) if s.else_ is not None else [])
-    return []
+    """The Stores under ``s`` (callers pass loop bodies without inner loops)."""
+    return [x for x in L.walk(s) if isinstance(x, L.Store)]
 
 
 def _mentions(e, name: str) -> bool:
-    if isinstance(e, L.Var):
-        return e.name == name
-    return any(_mentions(getattr(e, f), name) for f in ("a", "b", "cond", "index")
-               if isinstance(getattr(e, f, None), L.Expr))
+    return any(isinstance(x, L.Var) and x.name == name for x in L.walk(e))
 
 
 def _has(s, cls) -> bool:
-    if isinstance(s, cls):
-        return True
-    if isinstance(s, L.Block):
-        return any(_has(x, cls) for x in s.stmts)
-    if isinstance(s, L.For):
-        return _has(s.body, cls)
-    if isinstance(s, L.If):
-        return _has(s.then, cls) or (s.else_ is not None and _has(s.else_, cls))
-    return False
+    """Whether statement ``s`` is or contains a ``cls`` statement."""
+    return any(isinstance(x, cls) for x in L.walk(s))
 
 
 def to_loop_ir(prog: PolyProgram, schedule: isl.Schedule, storage: Mapping[str, Storage], name: str,
@@ -477,14 +426,8 @@ def subst(node, name: str, rep: L.Expr):
 
 
 def _vars(e) -> set:
-    if isinstance(e, L.Var):
-        return {e.name}
-    out = set()
-    for f in ("a", "b", "cond", "index", "value"):
-        x = getattr(e, f, None)
-        if isinstance(x, L.Expr):
-            out |= _vars(x)
-    return out
+    """Names of the variables expression ``e`` reads."""
+    return {x.name for x in L.walk(e) if isinstance(x, L.Var)}
 
 
 _LANE_OPS = {"add": "sum", "mul": "prod", "max": "max", "min": "min"}
@@ -507,40 +450,53 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
     ``(stmt, allocs)``; the lane buffers and accumulators ``allocs`` must be declared at the
     top of the kernel.
     """
-    allocs: list = []
-    counter = [0]
-    locals_ = set(locals_)
+    rw = _LaneRewriter(locals_, lanes, nest_lanes)
+    return rw.visit(stmt), rw.allocs
 
-    def visit(s):
+
+class _LaneRewriter:
+    """The steps of :func:`lane_reductions`; ``allocs`` collects the lane buffers and promoted
+    accumulators it declares, ``counter`` numbers them (shared with
+    :func:`_promote_store_reductions`), ``locals_`` the scalar Locals a fold may target."""
+
+    def __init__(self, locals_: set, lanes: int, nest_lanes: int):
+        self.allocs: list = []
+        self.counter = [0]
+        self.locals_ = set(locals_)
+        self.lanes, self.nest_lanes = lanes, nest_lanes
+
+    def visit(self, s):
+        """``s`` with every innermost fold loop rewritten (nests first tried as a whole)."""
         if isinstance(s, L.Block):
-            return L.Block(tuple(visit(x) for x in s.stmts))
+            return L.Block(tuple(self.visit(x) for x in s.stmts))
         if isinstance(s, L.If):
-            return L.If(s.cond, visit(s.then), None if s.else_ is None else visit(s.else_))
+            return L.If(s.cond, self.visit(s.then), None if s.else_ is None else self.visit(s.else_))
         if isinstance(s, L.For):
             if _has(s.body, L.For):
-                nest = rewrite_nest(s) if nest_lanes else None
+                nest = self.rewrite_nest(s) if self.nest_lanes else None
                 if nest is not None:
                     return nest
-                return L.For(s.var, s.lo, s.hi, visit(s.body), s.kind)
-            return rewrite(s)
+                return L.For(s.var, s.lo, s.hi, self.visit(s.body), s.kind)
+            return self.rewrite_loop(s)
         return s
 
-    def new_lanes(var: str, reds: dict, width: int):
+    def new_lanes(self, var: str, reds: dict, width: int):
         """A fresh tag, one ``width``-lane Alloc per fold of ``reds`` (declared via ``allocs``),
         and the lane index Var."""
-        counter[0] += 1
-        tag = f"{var}_{counter[0]}"
+        self.counter[0] += 1
+        tag = f"{var}_{self.counter[0]}"
         bufs = {}
         for name, (op, dt) in reds.items():
-            bufs[name] = L.Alloc(f"lanes_{name}_{counter[0]}", dt, width)
-            allocs.append(bufs[name])
+            bufs[name] = L.Alloc(f"lanes_{name}_{self.counter[0]}", dt, width)
+            self.allocs.append(bufs[name])
         return tag, bufs, L.Var(f"l_{tag}")
 
-    def rewrite_nest(f: L.For):
+    def rewrite_nest(self, f: L.For):
         """``for j: for l: s = s op e(j, l)`` (a perfect two-loop fold, the inner extent a
         multiple of ``lanes`` up to ``nest_lanes``): one lane per inner iteration ``l``, each
         folding over ``j`` in order, then the lanes folded left to right -- no per-row
-        horizontal fold (listing 3's sum over axes 1 and 3)."""
+        horizontal fold (listing 3's sum over axes 1 and 3).  None when ``f`` is not such a nest."""
+        lanes, allocs, locals_ = self.lanes, self.allocs, self.locals_
         inner = f.body.stmts[0] if isinstance(f.body, L.Block) and len(f.body.stmts) == 1 else f.body
         if not isinstance(inner, L.For) or _has(inner.body, L.For):
             return None
@@ -548,9 +504,9 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
             if g.kind != "serial" or not (isinstance(g.lo, L.Const) and isinstance(g.hi, L.Const)):
                 return None
         width = inner.hi.value - inner.lo.value
-        if width % lanes or not lanes <= width <= nest_lanes or f.hi.value - f.lo.value < 2:
+        if width % lanes or not lanes <= width <= self.nest_lanes or f.hi.value - f.lo.value < 2:
             return None
-        pre, inner2, post = _promote_store_reductions(inner, allocs, counter, (f.var.name,))
+        pre, inner2, post = _promote_store_reductions(inner, allocs, self.counter, (f.var.name,))
         if pre:
             locals_.update(x.name for x in allocs if isinstance(x, L.Local))
         body = list(inner2.body.stmts) if isinstance(inner2.body, L.Block) else [inner2.body]
@@ -559,7 +515,7 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
             if pre:      # undo: the plain path handles the store fold on the inner loop
                 del allocs[len(allocs) - len(pre):]
             return None
-        tag, bufs, lane = new_lanes(inner.var.name, reds, width)
+        tag, bufs, lane = self.new_lanes(inner.var.name, reds, width)
         lo = inner.lo.value
         stmts = list(pre)
         for name, (op, dt) in reds.items():
@@ -582,27 +538,31 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
         stmts.extend(post)
         return L.Block(tuple(stmts))
 
-    def rewrite(f: L.For):
+    def rewrite_loop(self, f: L.For):
+        """An innermost loop: folds into buffer elements promoted to scalars, then lanes."""
         if f.kind != "serial" or not (isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const)):
             return f
-        pre, f, post = _promote_store_reductions(f, allocs, counter)
+        pre, f, post = _promote_store_reductions(f, self.allocs, self.counter)
         if pre:
-            locals_.update(x.name for x in allocs if isinstance(x, L.Local))
-        out = rewrite_scalar(f)
+            self.locals_.update(x.name for x in self.allocs if isinstance(x, L.Local))
+        out = self.rewrite_scalar(f)
         return L.Block((*pre, out, *post)) if pre else out
 
-    def rewrite_scalar(f: L.For):
+    def rewrite_scalar(self, f: L.For):
+        """An innermost loop folding into scalar Locals, with lanes when it is long enough."""
         extent = f.hi.value - f.lo.value
-        if extent < 2 * lanes:
+        if extent < 2 * self.lanes:
             return f
         body = list(f.body.stmts) if isinstance(f.body, L.Block) else [f.body]
-        reds = _fold_targets(body, f.var.name, locals_)
+        reds = _fold_targets(body, f.var.name, self.locals_)
         if not reds:
             return f
-        return rewrite_lanes(f, body, reds, _order_free_lanes(reds, lanes, extent))
+        return self.rewrite_lanes(f, body, reds, _order_free_lanes(reds, self.lanes, extent))
 
-    def rewrite_lanes(f: L.For, body: list, reds: dict, lanes: int):
-        tag, bufs, lane = new_lanes(f.var.name, reds, lanes)
+    def rewrite_lanes(self, f: L.For, body: list, reds: dict, lanes: int):
+        """``f`` as lane initialisation, full blocks of ``lanes`` iterations (vectorisable), the
+        tail, and the folds of the lanes into their scalars."""
+        tag, bufs, lane = self.new_lanes(f.var.name, reds, lanes)
         blk = L.Var(f"b_{tag}")
         tail = L.Var(f"t_{tag}")
         lo, hi = f.lo.value, f.hi.value
@@ -638,8 +598,6 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
         for name, (op, dt) in reds.items():
             stmts.extend(_fold_lanes(name, op, dt, bufs[name], lane, lanes, "unroll", tree=True))
         return L.Block(tuple(stmts))
-
-    return visit(stmt), allocs
 
 
 def _order_free_lanes(reds: dict, lanes: int, extent: int, widen: int = 4) -> int:

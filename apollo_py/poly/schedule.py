@@ -12,7 +12,10 @@ Fallback (:func:`isl_schedule`): the isl scheduler with ``schedule_whole_compone
 the defaults, each accepted only if it yields ONE group (an outer band over all statements).
 
 Every isl call here runs under ``Options.schedule_budget`` operations; going over raises
-:class:`BudgetExceeded` (the caller logs ``schedule_budget_exceeded`` and splits).
+:class:`BudgetExceeded` (the caller logs ``schedule_budget_exceeded`` and splits).  The isl
+scheduler, whose work the operations counter does not fully bound, also runs under a wall-time
+limit (``Options.schedule_timeout``) in a child process that is killed when it runs over
+(``poly/bounded.py``); that too is BudgetExceeded.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import islpy as isl
 
+from .bounded import ChildError, WallTimeExceeded, run_bounded
 from .statements import INIT, Dependences, PolyProgram, Statement
 
 _BUDGET_MSG = "maximal number of operations exceeded"
@@ -172,60 +176,96 @@ def _extent(s: isl.Set, d: int) -> int:
 def build_fused_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Schedule, int, tuple]:
     """The directly built fused schedule tree, its outer band size and band extents.
 
-    Raises NotOneGroup when some statement does not feed the final output, when the tree is
-    not one group, or when isl finds it illegal.
+    Steps: the live instances of each statement (:func:`_live_domains`), the shared parallel
+    band (:func:`_shared_band`), each statement's residual inner dims (:func:`_residual_dims`),
+    statements grouped into inner loop nests (:func:`_inner_groups`), then the tree, checked
+    by isl.  Raises NotOneGroup when some statement does not feed the final output, when the
+    tree is not one group, or when isl finds it illegal.
     """
     band_t = _band_tensor(prog)
     rel = _to_band_space(prog, band_t)
-    stmts = prog.statements
+    live = _live_domains(prog, rel)
+    band_dims, extents, bmap = _shared_band(prog, rel)
+    resid = {s.name: _residual_dims(prog, s, bmap[s.name] if band_dims else None) for s in prog.statements}
+    groups = _inner_groups(prog, deps, band_dims, bmap, resid)
+    if not band_dims and sum(1 for g in groups if resid[g[0].name]) > 1:
+        raise NotOneGroup("no shared parallel band and several loop nests")
+    dom = isl.UnionSet.empty(prog.context.get_space())
+    for s in prog.statements:
+        dom = dom.union(isl.UnionSet.from_set(live[s.name]))
+    tree = _tree_text(prog, dom, band_dims, bmap, groups, resid,
+                      lambda s, width: _inner_map(s, resid[s.name]))
+    sched = isl.Schedule(tree, context=prog.ctx)
+    if not check_legal(sched, deps, prog):
+        raise NotOneGroup("the directly built fused schedule violates a dependence")
+    return sched, len(band_dims), extents
+
+
+def _live_domains(prog: PolyProgram, rel: dict) -> dict:
+    """Statement name -> the instances to execute: all of them when every instance maps into
+    the band tensor, else only those that do (dead instances, e.g. rows a strided window never
+    reads); NotOneGroup when a statement writing a final output has instances outside it."""
     outs = {prog.tensors[v] for v in prog.outputs}
     live = {}
-    for s in stmts:
+    for s in prog.statements:
         if _ctxd(s.domain, prog).is_subset(rel[s.name].domain()):
             live[s.name] = s.domain
         elif s.write.get_tuple_name(isl.dim_type.out) in outs:
             raise NotOneGroup(f"statement {s.name} computes output elements of no final output")
-        else:   # dead instances (e.g. rows a strided window never reads): not executed
+        else:
             live[s.name] = s.domain.intersect(rel[s.name].domain().gist_params(prog.context))
+    return live
+
+
+def _shared_band(prog: PolyProgram, rel: dict) -> tuple[list, tuple, dict]:
+    """``(band dims, their extents, statement name -> map onto the band)``: the band tensor's
+    dims that every statement fixes to one value, less those of extent 1 (keepdims dims)."""
+    stmts = prog.statements
     rank = rel[stmts[-1].name].dim(isl.dim_type.out)
     band_dims = [d for d in range(rank)
                  if all(d in _single_valued_dims(rel[s.name]) for s in stmts)]
-    # drop band dims that are constant for the band tensor (size-1 / keepdims dims)
     band_set = _ctxd(rel[stmts[-1].name], prog).range()
     band_dims = [d for d in band_dims if _extent(band_set, d) > 1] or band_dims[:0]
     extents = tuple(_extent(band_set, d) for d in band_dims)
     bmap = {s.name: _anon_range(_project_out_all_but(rel[s.name], band_dims)).gist_params(prog.context)
             for s in stmts}
+    return band_dims, extents, bmap
 
-    # residual (inner) dims: domain dims not fixed by the band value
-    resid: dict[str, list[int]] = {}
-    for s in stmts:
-        inv = bmap[s.name].reverse() if band_dims else None
-        n = s.domain.dim(isl.dim_type.set)
-        dom = _ctxd(s.domain, prog)
-        r = []
-        for d in range(n):
-            if _extent(dom, d) == 1:
-                continue
-            if inv is not None and _project_out_all_but(inv, [d]).is_single_valued():
-                continue
-            r.append(d)
-        resid[s.name] = r
 
-    def inner_map(s: Statement, width: int) -> isl.Map:
-        dims = resid[s.name]
-        m = isl.Map.identity(s.domain.get_space().map_from_set())
-        m = _project_out_all_but(m, dims)
-        return _anon_range(m).intersect_domain(s.domain)
+def _residual_dims(prog: PolyProgram, s: Statement, band_map: isl.Map | None) -> list[int]:
+    """The domain dims of ``s`` that the band value does not fix (its inner loops)."""
+    inv = band_map.reverse() if band_map is not None else None
+    dom = _ctxd(s.domain, prog)
+    r = []
+    for d in range(s.domain.dim(isl.dim_type.set)):
+        if _extent(dom, d) == 1:
+            continue
+        if inv is not None and _project_out_all_but(inv, [d]).is_single_valued():
+            continue
+        r.append(d)
+    return r
+
+
+def _inner_map(s: Statement, dims: list[int]) -> isl.Map:
+    """``s``'s domain onto its residual dims ``dims`` (its inner loop indices)."""
+    m = isl.Map.identity(s.domain.get_space().map_from_set())
+    m = _project_out_all_but(m, dims)
+    return _anon_range(m).intersect_domain(s.domain)
+
+
+def _inner_groups(prog: PolyProgram, deps: Dependences, band_dims: list, bmap: dict,
+                  resid: dict) -> list[list[Statement]]:
+    """Statements (inits first) in runs that share one inner loop nest: a statement joins the
+    previous run when its residual rank matches and every dependence from the run's members
+    to it is satisfied point by point under the band + inner schedule."""
+    validity = _ctxd(deps.validity, prog)
 
     def full_map(s: Statement) -> isl.Map:
         b = bmap[s.name]
         if not resid[s.name]:
             return b if band_dims else isl.Map.from_domain(_ctxd(s.domain, prog))
-        i = _ctxd(inner_map(s, len(resid[s.name])), prog)
+        i = _ctxd(_inner_map(s, resid[s.name]), prog)
         return b.range_product(i).flatten_range() if band_dims else i
-
-    validity = _ctxd(deps.validity, prog)
 
     def pointwise(a: Statement, b: Statement) -> bool:
         d = validity.intersect_domain(isl.UnionSet.from_set(_ctxd(a.domain, prog))) \
@@ -236,6 +276,7 @@ def build_fused_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Sche
         t = dm.apply_domain(full_map(a)).apply_range(full_map(b))
         return t.is_subset(isl.Map.lex_le(t.get_space().domain()))
 
+    stmts = prog.statements
     ordered = [s for s in stmts if s.role == INIT] + [s for s in stmts if s.role != INIT]
     groups: list[list[Statement]] = []
     for s in ordered:
@@ -245,17 +286,7 @@ def build_fused_schedule(prog: PolyProgram, deps: Dependences) -> tuple[isl.Sche
             g.append(s)
         else:
             groups.append([s])
-    if not band_dims and sum(1 for g in groups if resid[g[0].name]) > 1:
-        raise NotOneGroup("no shared parallel band and several loop nests")
-
-    dom = isl.UnionSet.empty(prog.context.get_space())
-    for s in stmts:
-        dom = dom.union(isl.UnionSet.from_set(live[s.name]))
-    tree = _tree_text(prog, dom, band_dims, bmap, groups, resid, inner_map)
-    sched = isl.Schedule(tree, context=prog.ctx)
-    if not check_legal(sched, deps, prog):
-        raise NotOneGroup("the directly built fused schedule violates a dependence")
-    return sched, len(band_dims), extents
+    return groups
 
 
 def _ser(x) -> str:
@@ -393,12 +424,39 @@ def tile_outer_band(sched: isl.Schedule, band: int, sizes) -> isl.Schedule:
     return node.band_tile(mv).get_schedule()
 
 
-def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[FusedSchedule, Dependences]:
-    """Dependences + one-group schedule of ``prog``, each step within ``budget_ops`` isl
-    operations (the counter is reset before each step, as for each isl call in DESIGN §5).
+def bounded_isl_schedule(prog: PolyProgram, deps: Dependences, budget_ops: int,
+                         seconds: float | None) -> tuple[isl.Schedule, int, tuple]:
+    """:func:`isl_schedule` under ``budget_ops`` operations and ``seconds`` of wall time (a
+    child process, killed when over; None = in-process).  Raises BudgetExceeded (either limit)
+    or NotOneGroup."""
+    def compute() -> str:
+        with budget(prog.ctx, budget_ops):
+            return str(isl_schedule(prog, deps)[0])
+    try:
+        text = run_bounded(compute, seconds)
+    except WallTimeExceeded:
+        raise BudgetExceeded(f"isl scheduler stopped after the {seconds:g} s wall-time limit") from None
+    except ChildError as e:
+        if e.kind == "BudgetExceeded":
+            raise BudgetExceeded(e.message) from None
+        if e.kind == "NotOneGroup":
+            raise NotOneGroup(e.message) from None
+        raise
+    sched = isl.Schedule(text, context=prog.ctx)
+    got = _one_group(sched, prog)
+    if got is None:
+        raise NotOneGroup("the isl scheduler's schedule is not one group")
+    return sched, got[0], got[1]
 
-    ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then the isl
-    scheduler.  Raises BudgetExceeded or NotOneGroup.
+
+def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int, seconds: float | None = None,
+                     use_isl: bool = True) -> tuple[FusedSchedule, Dependences]:
+    """Dependences + one-group schedule of ``prog``, each step within ``budget_ops`` isl
+    operations (the counter is reset before each step, as for each isl call in DESIGN §5),
+    the isl scheduler also within ``seconds`` of wall time.
+
+    ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then (unless
+    ``use_isl`` is False) the isl scheduler.  Raises BudgetExceeded or NotOneGroup.
     """
     t0 = time.perf_counter()
     with budget(prog.ctx, budget_ops):
@@ -408,7 +466,8 @@ def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int) -> tuple[Fused
             sched, nb, ext = build_fused_schedule(prog, deps)
         strategy = "direct"
     except NotOneGroup:
-        with budget(prog.ctx, budget_ops):
-            sched, nb, ext = isl_schedule(prog, deps)
+        if not use_isl:
+            raise
+        sched, nb, ext = bounded_isl_schedule(prog, deps, budget_ops, seconds)
         strategy = "isl"
     return FusedSchedule(sched, nb, ext, strategy, (time.perf_counter() - t0) * 1e3), deps

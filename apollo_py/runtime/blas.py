@@ -18,11 +18,11 @@ import ctypes
 import glob
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InputError
+from ..layers.blas_fold import BlasDesc
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 
@@ -82,48 +82,6 @@ def _find() -> Cblas | None:
             if hasattr(lib, fmt.format("sgemm")) and hasattr(lib, fmt.format("dgemm")):
                 return Cblas(lib, fmt, itype)
     return None
-
-
-@dataclass(frozen=True)
-class BlasDesc:
-    """One folded BLAS call: ``out = alpha * op(a) @ op(b) (+ acc)``.
-
-    ``a`` is stored ``[k, m]`` if ``trans_a`` else ``[m, k]`` (an N-d ``a`` without ``trans_a``
-    is read as its flattened rows), ``b`` likewise ``[n, k]`` / ``[k, n]``; ``acc`` (a value broadcasting to
-    the output's shape, or None) is added (``beta = 1``).  ``nodes`` are the graph nodes the
-    call computes (the matmul plus any folded transposes and update ops).
-    """
-
-    a: str
-    b: str
-    trans_a: bool
-    trans_b: bool
-    m: int
-    n: int
-    k: int
-    alpha: float
-    acc: str | None
-    out: str
-    dtype: str
-    nodes: tuple
-
-    @property
-    def inputs(self) -> tuple:
-        return tuple(dict.fromkeys(v for v in (self.a, self.b, self.acc) if v is not None))
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
-
-    def formula(self) -> str:
-        ta, tb = ("ᵀ" if self.trans_a else ""), ("ᵀ" if self.trans_b else "")
-        core = f"{self.a}{ta} @ {self.b}{tb}"
-        scale = abs(self.alpha) if self.acc else self.alpha
-        if scale != 1.0:
-            core = f"{scale:g} * {core}"
-        if self.acc is None:
-            return f"{self.out} = {core}"
-        return f"{self.out} = {self.acc} {'-' if self.alpha < 0 else '+'} {core}"
 
 
 class BlasStep:

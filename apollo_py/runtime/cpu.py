@@ -44,23 +44,6 @@ class ReferenceStep:
     reason: str
 
 
-#: a kernel (or a layer-3 group of kernels) moving fewer bytes than this runs on the calling
-#: thread.  A pool dispatch costs about 35 us before any work (worker wake-up, GIL hand-offs);
-#: tanh(x)+y with cache-hot operands on the 2-core box, inline vs 2 chunks: 384 KiB 11 vs 48 us,
-#: 1.5 MiB 40 vs 78-114 us, 3 MiB 94 vs 166 us, 6 MiB 200 vs 216 us.  In-process A/B of 64 KiB,
-#: 1 MiB and 2 MiB: wide_deep 1.00 / 0.99 / 0.93-0.95 (its eight 160 KiB bag sums); of 2, 4 and
-#: 8 MiB: four_branches (4 x 1 MiB) 1.00 / 0.98 / 0.89; wide_deep, bias_maxpool,
-#: conv_bn_lrelu_res, bert_layer within 1% at every value.  It also covers kernels right after a
-#: BLAS call, whose worker threads spin for a while and hold a core (MLP training step: ReLU
-#: epilogue 0.19-0.23 ms on the pool, 0.14 ms inline).  Measured with 2 threads: with more cores
-#: the pool pays off earlier and this should shrink.
-INLINE_BYTES = 8 * 1024 * 1024
-#: a chunk of a kernel's parallel loop moves at least about this many bytes: each chunk is one
-#: ctypes call plus a claim under the GIL (a 512 x 4 x 16 bag sum cut into 8 chunks was
-#: overhead-bound; four_branches' 4 x 1 MiB group, busy 2-core box: 128 KiB chunks 0.47 ms,
-#: 1 MiB 0.41 ms; softmax [768,128,128] the same for 64 KiB .. 4 MiB)
-CHUNK_BYTES = 1024 * 1024
-
 _POOLS: dict[int, object] = {}
 _POOL_LOCK = threading.Lock()
 
@@ -81,12 +64,14 @@ class CpuExecutable:
 
     def __init__(self, graph: Graph, steps: Sequence, plan, num_threads: int | None = None,
                  machine=None, options=None):
-        from ..layers.cost import DEFAULT_MACHINE
-        self.machine = machine or DEFAULT_MACHINE   # layer 3's cost model (layers/cost.py)
+        from ..machine import PRESETS
+        self.machine = machine or PRESETS["conservative"]   # layer 3's cost model, dispatch sizes
         self._options = options                     # for layer 3's parallel_rejected events
         self.graph = graph
         self.steps = list(steps)
-        self.constants = {n.outputs[0]: np.array(n.attrs["value"].array, order="C")
+        # read-only views of the graph's constants (ConstArray holds C-contiguous, read-only
+        # arrays): copying them cost 2 s of a GPT-2 compile; a constant output is copied out
+        self.constants = {n.outputs[0]: np.asarray(n.attrs["value"].array, order="C")
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(graph.outputs) | set(self.constants)
         # only outputs of kernels and BLAS calls go into the arena; reference steps return their
@@ -117,7 +102,7 @@ class CpuExecutable:
         value another member writes and no member's arena slot overlaps a buffer of another
         member (the memory plan reuses slots in step order, which a concurrent run must not
         see); layer 3's policy (``layers.layer3.stitch_parallel`` with the cost model
-        ``self.machine``) then picks which members of the run share one thread-pool job.  Tiny kernels (under ``INLINE_BYTES``
+        ``self.machine``) then picks which members of the run share one thread-pool job.  Tiny kernels (under ``machine.inline_bytes``
         moved) run on the calling thread without waking the pool.
         """
         slots = self.memory.slots
@@ -136,7 +121,7 @@ class CpuExecutable:
 
         def flush():
             for g in _layer3_groups(group, self.machine, self._options):
-                if len(g) > 1 and sum(_bytes(k) for k in g) < INLINE_BYTES:
+                if len(g) > 1 and sum(_bytes(k, self.machine) for k in g) < self.machine.inline_bytes:
                     # too small to be worth waking the pool: each runs inline, one after another
                     out.extend(("kernels", [k]) for k in g)
                 else:
@@ -229,14 +214,14 @@ class CpuExecutable:
             if len(item) == 1:
                 s = item[0]
                 args = [env[v] for v in s.param_values]
-                parts = _parts(s)
+                parts = _parts(s, self.machine)
                 if parts <= 1:
                     s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
                 else:
                     ext = s.compiled.parallel_extent
                     pool.run(s.compiled, args, min_chunk=-(-ext // parts))
             else:
-                pool.run_many([(s.compiled, [env[v] for v in s.param_values], _parts(s)) for s in item])
+                pool.run_many([(s.compiled, [env[v] for v in s.param_values], _parts(s, self.machine)) for s in item])
             return
         s = item
         if hasattr(s, "execute"):     # a generated GEMM (gemm_step.py) or a BLAS call (blas.py)
@@ -312,21 +297,22 @@ def _layer3_groups(run: list, machine, options=None) -> list:
     return [[k.step for k in g] for g in groups]
 
 
-def _bytes(step) -> int:
+def _bytes(step, machine) -> int:
     """Bytes a kernel step moves (an unknown amount counts as large)."""
-    return step.fused.bytes if step.fused is not None else CHUNK_BYTES * 64
+    return step.fused.bytes if step.fused is not None else machine.chunk_bytes * 64
 
 
-def _parts(step) -> int:
-    """How many chunks a kernel step's parallel loop is worth (1 = run it inline)."""
+def _parts(step, machine) -> int:
+    """How many chunks a kernel step's parallel loop is worth on ``machine`` (1 = run it
+    inline: it moves less than ``machine.inline_bytes``; else chunks of ``chunk_bytes``)."""
     ext = step.compiled.parallel_extent
-    nbytes = _bytes(step)
-    if ext is None or ext <= 1 or nbytes < INLINE_BYTES:
+    nbytes = _bytes(step, machine)
+    if ext is None or ext <= 1 or nbytes < machine.inline_bytes:
         return 1
-    return max(1, min(ext, nbytes // CHUNK_BYTES))
+    return max(1, min(ext, nbytes // machine.chunk_bytes))
 
 
 def compile_kernels(fused: Sequence, cache_dir: str | None = None, progress=None) -> list:
     """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory)."""
     from ..codegen.cached import compile_all
-    return compile_all([f.loop for f in fused], cache_dir, progress)
+    return compile_all([f.loop for f in fused], cache_dir, progress, [f.object_key for f in fused])

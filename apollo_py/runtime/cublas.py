@@ -5,7 +5,7 @@ epilogue, chosen per shape by measurement on the device (:func:`choose_gemm`), l
 target's BLAS rule.  Row-major ``C[b] = A[b] @ B[b]`` is cuBLAS's column-major
 ``C^T = B^T A^T``: ``cublasGemmStridedBatchedEx(N, N, n, m, k, B, A, C)``, float32 or float16
 storage with float32 compute.  Needs a GPU: without one, loading fails with
-:class:`apollo_py.runtime.cuda.CudaUnavailableError`.  Not run yet (no GPU was lent to the
+:class:`apollo_py.errors.CudaUnavailableError`.  Not run yet (no GPU was lent to the
 session that wrote it); ``tests/cuda`` has a ``gpu``-marked check against numpy.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ _DT = {"float32": CUDA_R_32F, "float16": CUDA_R_16F}
 
 @lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL:
-    from .cuda import CudaUnavailableError
+    from ..errors import CudaUnavailableError
     cands = []
     for base in sys.path:
         cands += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcublas.so*")))

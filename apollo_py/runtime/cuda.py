@@ -25,20 +25,18 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ApolloError, CompileError
+from ..errors import CompileError, CudaUnavailableError
 from .memory import plan_memory
 from .reference import run_nodes
 
-
-class CudaUnavailableError(ApolloError):
-    """target="cuda" was asked for but pycuda or a CUDA driver / GPU is missing."""
+__all__ = ["CudaUnavailableError", "CudaExecutable", "Launch", "HostStep", "lower_cuda", "cuda_steps"]
 
 
 #: GPU figures for layer 3's cost model (A100-class: ~1.5 TB/s, 19.5 TFLOP/s fp32, ~4 us per
 #: launch); from data sheets, not measured here (no GPU was available)
 def gpu_machine():
-    from ..layers.cost import Machine
-    return Machine(bandwidth=1.5e12, peak=19.5e12, launch=4e-6)
+    from ..machine import Machine
+    return Machine(bandwidth=1.5e12, peak=19.5e12, launch=4e-6, source="A100 data sheet (CUDA target)")
 
 
 @dataclass
@@ -415,19 +413,26 @@ class CudaExecutable:
                 dev.free(p)
 
 
-def build_cuda_executable(graph, micro_graphs, specs, options) -> CudaExecutable:
-    """The executable of ``target="cuda"`` (pycuda) or ``"cuda-emu"`` (g++ emulation).
+def cuda_steps(graph, specs, options) -> list:
+    """Launches and host steps of ``target="cuda"`` / ``"cuda-emu"`` for layer 1/2's ``specs``.
 
-    Every launch is compiled with NVRTC for sm_80 at compile time, so that ``str(plan)`` shows
-    register / shared / local memory use and a source that NVRTC rejects fails here, without a
-    GPU; the device's own architecture is compiled when the graph first runs."""
-    from ..plan import Plan
+    Every launch is compiled with NVRTC for sm_80 here, so that ``str(plan)`` shows register /
+    shared / local memory use and a source NVRTC rejects fails at compile time, without a GPU;
+    the device's own architecture is compiled when the graph first runs."""
     steps = lower_cuda(graph, specs)
     compile_resources(steps, ("sm_80",), options.cache_dir)
-    n_launch = sum(isinstance(s, Launch) for s in steps)
-    note = (f"{options.target}: {n_launch} CUDA launches, {len(steps) - n_launch} host (numpy) steps; "
+    return steps
+
+
+def cuda_note(steps, options) -> str:
+    """The plan's note on a CUDA compile."""
+    n = sum(isinstance(s, Launch) for s in steps)
+    return (f"{options.target}: {n} CUDA launches, {len(steps) - n} host (numpy) steps; "
             "resources from NVRTC for sm_80")
-    plan = Plan(graph=graph, micro_graphs=tuple(micro_graphs), kernels=tuple(steps), notes=(note,))
+
+
+def build_cuda_executable(graph, steps, plan, options) -> CudaExecutable:
+    """The executable of ``target="cuda"`` (pycuda) or ``"cuda-emu"`` (g++ emulation)."""
     cache = options.cache_dir
     factory = (lambda: EmuDevice(cache)) if options.target == "cuda-emu" else (lambda: PycudaDevice(cache))
     return CudaExecutable(graph, steps, plan, factory)

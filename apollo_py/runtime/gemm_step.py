@@ -24,11 +24,12 @@ class GemmStep:
     reason: str
 
     @staticmethod
-    def build(spec, threads: int | None) -> "GemmStep":
-        """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set)."""
+    def build(spec, threads: int | None, cache_dir: str | None = None) -> "GemmStep":
+        """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set), through the piecewise
+        cache in ``cache_dir``."""
         import os
         from ..codegen.gemm import compile_gemm
-        cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1))
+        cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
         return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason)
 
     def execute(self, env: dict, pool) -> None:

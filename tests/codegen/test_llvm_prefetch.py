@@ -11,10 +11,10 @@ import codegen_kernels as K
 
 def test_affine_coefficients():
     i, j = Var("i"), Var("j")
-    assert LL._affine((i * 128 + j) * 2 - 3) == {"i": 256, "j": 2, "": -3}
-    assert LL._affine(L.as_expr(7)) == {"": 7}
-    assert LL._affine(i * j) is None                      # not affine
-    assert LL._affine(L.Bin("floordiv", i, L.as_expr(2))) is None
+    assert L.affine_form((i * 128 + j) * 2 - 3) == {"i": 256, "j": 2, "": -3}
+    assert L.affine_form(L.as_expr(7)) == {"": 7}
+    assert L.affine_form(i * j) is None                      # not affine
+    assert L.affine_form(L.Bin("floordiv", i, L.as_expr(2))) is None
 
 
 def test_softmax_row_loop_prefetches_rows_ahead(rng):

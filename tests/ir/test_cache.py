@@ -34,3 +34,38 @@ def test_clear_and_info(tmp_path):
     c.put(piece_key("b", "c", {}), b"22", {})
     assert c.info()["entries"] == 2 and c.info()["bytes"] == 3
     assert c.clear() == 2 and c.info()["entries"] == 0
+
+
+def _age(c: PieceCache, key: str, seconds_ago: float) -> None:
+    """Mark ``key``'s disk entry as last used ``seconds_ago`` (mtime resolution is not ours)."""
+    import time
+    t = time.time() - seconds_ago
+    os.utime(c._paths(key)[1], (t, t))
+
+
+def test_disk_cap_evicts_least_recently_used(tmp_path):
+    c = PieceCache(str(tmp_path), max_bytes=1000)
+    keys = [piece_key(str(i), "c", {}) for i in range(4)]
+    for age, k in zip((40, 30, 20, 10), keys[:3]):
+        c.put(k, bytes(300), {})
+        _age(c, k, age)
+    assert c.info()["entries"] == 3 and c.evictions == 0      # 900 bytes: under the cap
+    # a disk hit (from another process) makes keys[0] the most recently used
+    assert PieceCache(str(tmp_path)).get(keys[0]) is not None
+    c.put(keys[3], bytes(300), {})                            # 1200 > 1000: evict to <= 900
+    info = c.info()
+    assert info["bytes"] <= 900 and info["entries"] == 3 and c.evictions == 1
+    fresh = PieceCache(str(tmp_path))
+    assert fresh.get(keys[1]) is None                          # the oldest unused one went
+    assert all(fresh.get(k) is not None for k in (keys[0], keys[2], keys[3]))
+
+
+def test_disk_cap_counts_entries_written_by_other_processes(tmp_path):
+    other = PieceCache(str(tmp_path))
+    for i in range(5):
+        other.put(piece_key(f"o{i}", "c", {}), bytes(400), {})
+        _age(other, piece_key(f"o{i}", "c", {}), 100 - i)
+    c = PieceCache(str(tmp_path), max_bytes=1000)
+    c.put(piece_key("mine", "c", {}), bytes(400), {})         # first write scans: 2400 bytes
+    assert c.info()["bytes"] <= 900 and c.evictions == 4
+    assert c.get(piece_key("mine", "c", {})) is not None

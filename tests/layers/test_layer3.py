@@ -1,7 +1,7 @@
 """Layer 3 parallel stitching: independent small kernels group, dependent or big ones do not."""
 from dataclasses import dataclass
 
-from apollo_py.layers.cost import Machine
+from apollo_py.machine import Machine
 from apollo_py.layers.layer3 import ParallelPolicy, stitch_parallel
 
 M = Machine(bandwidth=10e9, peak=50e9, launch=10e-6)

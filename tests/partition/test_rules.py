@@ -72,6 +72,15 @@ def test_add_rule(tmp_path):
      "producer_opaque_ops = [\"matmool\"]\n", "unknown primitive 'matmool'"),
     ("version = 1\n[[rule]]\nid = \"9\"\nproducer = \"opaque\"\nconsumer = \"elementwise\"\nresult = \"opaque\"\n"
      "after = \"99\"\n", "unknown rule '99'"),
+    # shapes the JSON schema (rules.OVERLAY_SCHEMA) rejects, named by entry and key
+    ("version = 1\ndisable = \"3\"\n", "disable: '3' is not of type 'array'"),
+    ("version = 1\n[[disable_for]]\nrule = \"4\"\n", "disable_for #1: missing key 'signature'"),
+    ("version = 1\n[[rule]]\nid = \"9\"\nproducer = 3\nconsumer = \"opaque\"\nresult = \"opaque\"\n",
+     "rule #1: producer: 3 must be a class name"),
+    ("version = 1\n[[rule]]\nid = \"9\"\nproducer = \"opaque\"\nconsumer = \"opaque\"\nresult = \"opaque\"\n"
+     "colour = \"red\"\n", r"rule #1: unknown key\(s\) \['colour'\]"),
+    ("version = 1\n[[rule]]\nid = \"\"\nproducer = \"opaque\"\nconsumer = \"opaque\"\nresult = \"opaque\"\n",
+     "rule #1: id: '' should be non-empty"),
 ])
 def test_malformed_overlay(tmp_path, text, match):
     path = write(tmp_path, text)

@@ -1,6 +1,6 @@
-"""Layer 3 in the runtime: the cost model comes from the cache dir's machine figures, and every
-parallel combination it rejects is written to the feedback log."""
-import json
+"""Layer 3 in the runtime: the cost model uses the figures the user pins (``Options.machine``)
+or the cache dir's stored ones, and every parallel combination it rejects is written to the
+feedback log."""
 
 import numpy as np
 
@@ -8,7 +8,7 @@ import apollo_py as ap
 from apollo_py.feedback.log import read_events
 
 
-SHAPE = (1024, 1024)  # 4 MiB per branch: four together are worth one pool job (cpu.INLINE_BYTES)
+SHAPE = (1024, 1024)  # 4 MiB per branch: four together are worth one pool job (Machine.inline_bytes)
 
 
 def _branches(n=4, shape=SHAPE):
@@ -21,8 +21,10 @@ def _branches(n=4, shape=SHAPE):
 
 
 def _run(tmp_path, machine, shape=SHAPE):
-    (tmp_path / "machine.json").write_text(json.dumps(machine))
-    f = ap.jit(_branches(shape=shape), options=ap.Options(target="cpu", cache_dir=str(tmp_path)))
+    """Group sizes and rejected-combination events for four branches; ``machine``: the figures
+    as a dict (pinned through Options.machine), or None for what the cache dir holds."""
+    pinned = ap.Machine(**machine) if machine is not None else None
+    f = ap.jit(_branches(shape=shape), options=ap.Options(target="cpu", cache_dir=str(tmp_path), machine=pinned))
     xs = {f"x{i}": np.full(shape, 0.1 * i, np.float32) for i in range(4)}
     for i, y in enumerate(f.run(**xs)):
         np.testing.assert_allclose(y, np.exp(xs[f"x{i}"]).sum(axis=1, keepdims=True), rtol=1e-6)
@@ -59,3 +61,17 @@ def test_rejected_combinations_are_logged(tmp_path, monkeypatch):
     assert groups == [1, 1, 1, 1]
     assert rejected and all(e["detail"]["reason"] == "estimated gain below the policy threshold" for e in rejected)
     assert {len(e["sizes"]) for e in rejected} == {2, 3, 4}
+
+
+def test_stored_figures_reach_layer3(tmp_path):
+    # figures stored in the cache dir (as `apollo-py machine --measure` leaves them) decide too
+    from apollo_py.machine import Machine, measure_machine, save_machine
+    notes = measure_machine(rounds=1, attempts=1).notes
+    save_machine(str(tmp_path), Machine(bandwidth=1e5, peak=50e9, launch=1e-6, notes=notes))
+    groups, _ = _run(tmp_path, None)
+    assert groups == [1, 1, 1, 1]
+    save_machine(str(tmp_path), Machine(bandwidth=100e9, peak=500e9, launch=1e-9, notes=notes))
+    from apollo_py import machine as M
+    M._MEASURED.clear()         # a new process would read the file anew
+    groups, _ = _run(tmp_path, None)
+    assert groups == [4]

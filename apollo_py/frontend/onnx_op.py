@@ -1,10 +1,12 @@
-"""Fallback primitive: run one ONNX node through ``onnx.reference``'s op implementation.
+"""The ``onnx_op`` primitive: run one ONNX node through ``onnx.reference``'s op implementation.
 
 Standard ONNX ops that apollo_py does not decompose become an ``onnx_op`` node.  It is opaque
 and not compilable: it splits clusters and runs as its own step between compiled pieces, and
 the plan lists it as ``fallback`` with its ``reason``.  The node proto travels as hex text in
 the attributes (so the node stays hashable); output types are fixed when the graph is
-specialised.
+specialised.  It is defined here, in the front end, because running it needs
+onnx.reference and the control-flow runner; the op registry below knows it only once the
+front end is imported (``frontend/__init__`` does so).
 
 Control-flow nodes (If, Loop, Scan) carry their subgraphs in the proto.  Their outer-scope
 captures are extra inputs of the ``onnx_op`` node, after the node's own present inputs, named
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 from ..errors import ShapeError
 from ..ir.types import TensorType
-from .registry import FALLBACK, REQUIRED, OpDef, register
+from ..ops.registry import FALLBACK, REQUIRED, OpDef, register
+from ..plan import BODY_PLANS
 
 
 def has_reference(op_type: str, domain: str, opset: int) -> bool:
@@ -34,7 +37,7 @@ def _infer(ins, attrs):
 
 
 def _reference(xs, attrs):
-    from ..frontend.control_flow import op_instance, run_op
+    from .control_flow import op_instance, run_op
 
     op, node = op_instance(attrs["node"], attrs["domain"], attrs["opset"], attrs.get("options", ()))
     captures = tuple(attrs.get("captures", ()))
@@ -50,3 +53,15 @@ register(OpDef("onnx_op", FALLBACK, _infer, _reference, arity=(0, None),
                attrs={"node": REQUIRED, "domain": "", "opset": REQUIRED, "op_type": REQUIRED,
                       "out_types": REQUIRED, "reason": "", "captures": (), "options": ()},
                doc="an ONNX node run through onnx.reference (fallback; not compiled)"))
+
+
+def _body_plans(node) -> list:
+    """The plans of the subgraphs a control-flow ``onnx_op`` node compiled (for ``str(plan)``)."""
+    if not node.attrs.get("options"):
+        return []
+    from .control_flow import body_plans, op_instance
+    a = node.attrs
+    return body_plans(op_instance(a["node"], a["domain"], a["opset"], a["options"])[0])
+
+
+BODY_PLANS["onnx_op"] = _body_plans

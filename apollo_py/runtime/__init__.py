@@ -1,0 +1,1 @@
+"""Executables: reference runner, memory plan, thread pool, the CPU executable, BLAS binding."""
