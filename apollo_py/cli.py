@@ -1,4 +1,4 @@
-"""Command-line interface: ``apollo-py explain|run|cache|feedback|machine``.
+"""Command-line interface: ``apollo-py explain|run|compile|cache|feedback|machine``.
 
 Errors the user can cause (bad model, bad input) print one line ``error: ...`` and exit 2 —
 no traceback.
@@ -66,6 +66,44 @@ def _cmd_run(args, opts):
             print(f"{name}: {arr.dtype}{list(arr.shape)}\n{arr}")
 
 
+def _cmd_compile(args, opts):
+    """Compile a model; for a CUDA target write each launch's .cu, .ptx per architecture,
+    resource use (resources.json) and the plan (plan.json) under ``--out``, no GPU needed."""
+    import os
+    from .api import jit
+    plan = jit(args.model, options=opts).plan
+    if not args.out:
+        print(plan)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plan.json"), "w") as f:
+        f.write(plan.to_json())
+    if not opts.target.startswith("cuda"):
+        print(f"plan -> {args.out}/plan.json")
+        return
+    from .codegen.cached import piece_cache
+    from .codegen.nvrtc import compile_cuda
+    from .runtime.cuda import Launch
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    resources = {}
+    for step in getattr(plan, "kernels", ()):
+        if not isinstance(step, Launch):
+            continue
+        k = step.kernel
+        with open(os.path.join(args.out, f"{k.name}.cu"), "w") as f:
+            f.write(k.source)
+        entry = {"form": k.form, "grid": list(k.grid), "block": list(k.block), "values": list(step.param_values)}
+        for a in archs:
+            b = compile_cuda(k.source, k.name, a, piece_cache(opts.cache_dir))
+            with open(os.path.join(args.out, f"{k.name}.{a}.ptx"), "w") as f:
+                f.write(b.ptx)
+            entry[a] = b.resources[k.name].to_dict()
+        resources[k.name] = entry
+    with open(os.path.join(args.out, "resources.json"), "w") as f:
+        json.dump(resources, f, indent=1)
+    print(f"{len(resources)} CUDA kernels ({', '.join(archs)}) -> {args.out}")
+
+
 def _cmd_cache(args, opts):
     from .cache import PieceCache
     cache = PieceCache(opts.cache_dir)
@@ -97,7 +135,7 @@ def _cmd_machine(args, opts):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
-    p.add_argument("--target", default=None, help="cpu (default) | reference")
+    p.add_argument("--target", default=None, help="cpu (default) | reference | cuda | cuda-emu")
     p.add_argument("--cache-dir", default=None)
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("explain", help="print the fusion plan of a model")
@@ -111,6 +149,12 @@ def main(argv=None) -> int:
     r.add_argument("--out", help="directory to write outputs as .npy")
     r.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
                    help="pin the shape of an input with symbolic dims (the inputs must match)")
+    co = sub.add_parser("compile", help="compile a model; with --out, write its kernels (CUDA: .cu, .ptx, "
+                        "resources.json) and plan.json")
+    co.add_argument("model")
+    co.add_argument("--target", dest="sub_target", default=None, help="as the global --target")
+    co.add_argument("--out", help="directory for the generated files")
+    co.add_argument("--arch", default="sm_80,sm_90", help="CUDA architectures for the PTX (comma-separated)")
     c = sub.add_parser("cache", help="inspect or clear the piecewise JIT cache")
     c.add_argument("action", choices=["info", "clear"])
     fb = sub.add_parser("feedback", help="rule-feedback reports")
@@ -124,12 +168,13 @@ def main(argv=None) -> int:
     mc.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     opts = Options()
-    if args.target:
-        opts = opts.replace(target=args.target)
+    target = getattr(args, "sub_target", None) or args.target
+    if target:
+        opts = opts.replace(target=target)
     if args.cache_dir:
         opts = opts.replace(cache_dir=args.cache_dir)
-    handlers = {"explain": _cmd_explain, "run": _cmd_run, "cache": _cmd_cache, "feedback": _cmd_feedback,
-                "machine": _cmd_machine}
+    handlers = {"explain": _cmd_explain, "run": _cmd_run, "compile": _cmd_compile, "cache": _cmd_cache,
+                "feedback": _cmd_feedback, "machine": _cmd_machine}
     try:
         handlers[args.cmd](args, opts)
     except ApolloError as err:
