@@ -20,6 +20,7 @@ from math import prod
 
 from apollo_py.codegen import loopir as L
 from apollo_py.codegen.cuda import ARCHS, PRELUDE, Arch, CudaKernel, CudaPrinter, device_body, entry, param_decls
+from apollo_py.codegen.gemm import im2col_source
 from apollo_py.errors import CompileError
 
 BM, BN, BK, TM, TN = 64, 64, 16, 4, 4
@@ -61,19 +62,9 @@ def render_gemm(d, a_dtype: str, b_dtype: str, arch: Arch = ARCHS["sm_80"]) -> C
         b_ok = L.land(L.lt(kk, k), L.lt(j, n))
         b_val = L.Load(bsrc, b_base + L.minimum(kk, k - 1) * n + L.minimum(j, n - 1))
     else:
-        g = d.conv
-        cg = g.c // g.group
-        img, grp = b // g.group, b % g.group
-        ci, kh, kw = kk // (g.kh * g.kw), (kk // g.kw) % g.kh, kk % g.kw
-        oh, ow = j // g.ow, j % g.ow
-        ih = oh * g.strides[0] - g.pads[0] + kh * g.dilations[0]
-        iw = ow * g.strides[1] - g.pads[1] + kw * g.dilations[1]
-        b_ok = L.land(L.land(L.land(L.lt(kk, k), L.lt(j, n)), L.land(L.ge(ih, 0), L.lt(ih, g.h))),
-                      L.land(L.ge(iw, 0), L.lt(iw, g.w)))
-        ihc = L.minimum(L.maximum(ih, 0), g.h - 1)
-        iwc = L.minimum(L.maximum(iw, 0), g.w - 1)
-        ci = L.minimum(ci, cg - 1)
-        b_val = L.Load(bsrc, ((img * g.c + grp * cg + ci) * g.h + ihc) * g.w + iwc)
+        ih_ok, iw_ok, addr = im2col_source(d.conv, b, kk, j, clamp_channel=True)
+        b_ok = L.land(L.land(L.land(L.lt(kk, k), L.lt(j, n)), ih_ok), iw_ok)
+        b_val = L.Load(bsrc, addr)
     a_ok = L.land(L.lt(i, m), L.lt(kk, k))
     a_val = L.Load(a, a_base + L.minimum(i, m - 1) * k + L.minimum(kk, k - 1))
     pr = CudaPrinter()

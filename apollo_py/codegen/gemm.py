@@ -178,22 +178,31 @@ def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
     if d.conv is None:
         val = L.Select(L.lt(j, d.n), L.Load(src, b * (d.k * d.n) + k * d.n + L.minimum(j, d.n - 1)), zero)
     else:
-        g = d.conv
-        cg = g.c // g.group
-        img, grp = b // g.group, b % g.group
-        ci, kh, kw = k // (g.kh * g.kw), (k // g.kw) % g.kh, k % g.kw
-        oh, ow = j // g.ow, j % g.ow
-        ih = oh * g.strides[0] - g.pads[0] + kh * g.dilations[0]
-        iw = ow * g.strides[1] - g.pads[1] + kw * g.dilations[1]
-        ok = L.land(L.land(L.lt(j, d.n), L.land(L.ge(ih, 0), L.lt(ih, g.h))), L.land(L.ge(iw, 0), L.lt(iw, g.w)))
-        ihc = L.minimum(L.maximum(ih, 0), g.h - 1)
-        iwc = L.minimum(L.maximum(iw, 0), g.w - 1)
-        addr = ((img * g.c + grp * cg + ci) * g.h + ihc) * g.w + iwc
-        val = L.Select(ok, L.Load(src, addr), zero)
+        ih_ok, iw_ok, addr = im2col_source(d.conv, b, k, j)
+        val = L.Select(L.land(L.land(L.lt(j, d.n), ih_ok), iw_ok), L.Load(src, addr), zero)
     body = L.Store(bpk, (jp * kc + kk) * bl.nr + jj, val)
     loops = L.for_("jp", 0, nc // bl.nr, L.for_("kk", 0, kc, L.for_("jj", 0, bl.nr, body, "vector")),
                    "parallel")
     return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
+
+
+def im2col_source(g: ConvGeom, b, k, j, clamp_channel: bool = False):
+    """Where element ``(k, j)`` of batch ``b``'s implicit im2col matrix lives in the NCHW input
+    of conv ``g``: ``(row inside the image, column inside the image, flat address)``, the address
+    made of coordinates clamped into the image (and, with ``clamp_channel``, the channel into
+    the group) so that it is always readable; the caller selects zero where outside."""
+    cg = g.c // g.group
+    img, grp = b // g.group, b % g.group
+    ci, kh, kw = k // (g.kh * g.kw), (k // g.kw) % g.kh, k % g.kw
+    oh, ow = j // g.ow, j % g.ow
+    ih = oh * g.strides[0] - g.pads[0] + kh * g.dilations[0]
+    iw = ow * g.strides[1] - g.pads[1] + kw * g.dilations[1]
+    ihc = L.minimum(L.maximum(ih, 0), g.h - 1)
+    iwc = L.minimum(L.maximum(iw, 0), g.w - 1)
+    if clamp_channel:
+        ci = L.minimum(ci, cg - 1)
+    addr = ((img * g.c + grp * cg + ci) * g.h + ihc) * g.w + iwc
+    return L.land(L.ge(ih, 0), L.lt(ih, g.h)), L.land(L.ge(iw, 0), L.lt(iw, g.w)), addr
 
 
 def _pack_b_conv_rows(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
