@@ -85,6 +85,7 @@ class CpuExecutable:
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
                                   external)
         self._arenas = ArenaPool(self.memory, graph.types)
+        self._trace = threading.local()
         self._pool = thread_pool(num_threads)
         self.plan = plan
         self._schedule = self._dispatch_schedule()
@@ -161,8 +162,16 @@ class CpuExecutable:
             why = self._inplace[key] = inplace_reason(self, output, source)
         return why
 
-    #: set to a list to record ``(schedule index, seconds)`` per dispatch of every call (profiling)
-    trace: list | None = None
+    @property
+    def trace(self) -> list | None:
+        """Set to a list to record ``(schedule index, seconds)`` per dispatch of this
+        executable's calls made by the setting thread (profiling).  Per executable and per
+        thread, so a profiler in one thread never sees, nor races on, another thread's calls."""
+        return getattr(self._trace, "value", None)
+
+    @trace.setter
+    def trace(self, value: list | None) -> None:
+        self._trace.value = value
 
     def run(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Graph outputs for ``feeds``; ``out`` (output name -> array, already validated by the
