@@ -81,7 +81,11 @@ class CompiledGraph:
             arr = feeds[name]
             if not isinstance(arr, np.ndarray):
                 if isinstance(arr, (bool, int, float, np.generic)) or isinstance(arr, (list, tuple)):
-                    arr = np.asarray(arr, dtype=DTYPES[spec.dtype])
+                    try:
+                        arr = np.asarray(arr, dtype=DTYPES[spec.dtype])
+                    except (ValueError, TypeError, OverflowError) as e:    # ragged, strings, ...
+                        raise InputError(f"input {name!r}: cannot convert {type(arr).__name__} to a "
+                                         f"{spec.dtype} array: {e}") from None
                 else:
                     raise InputError(f"input {name!r} must be a numpy array, got {type(arr).__name__}")
             want = self._dtypes[name]     # dtype.name costs 3 us, dtype != 0.05 us

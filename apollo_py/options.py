@@ -18,6 +18,20 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "apollo_py")
 
 
+#: valid ``Options.target`` values ("cuda": the CUDA back end, where it is built in)
+TARGETS = ("cpu", "reference", "cuda")
+#: valid ``Options.gemm`` values
+GEMM_CHOICES = ("auto", "generated", "blas")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Options:
     """What the compiler may do and where it keeps its files.
@@ -57,6 +71,37 @@ class Options:
     machine: object = None
 
     def __post_init__(self):
+        """Reject invalid fields here, with an OptionsError naming the field, so that a typo
+        (``gemm="blas "``) is not silently read as the default further down."""
+        from .errors import OptionsError
+
+        def bad(name, want):
+            raise OptionsError(f"Options.{name} must be {want}, not {getattr(self, name)!r}")
+
+        if self.target not in TARGETS:
+            bad("target", f"one of {list(TARGETS)}")
+        if self.gemm not in GEMM_CHOICES:
+            bad("gemm", f"one of {list(GEMM_CHOICES)}")
+        if not _is_int(self.schedule_budget) or self.schedule_budget < 1:
+            bad("schedule_budget", "an int >= 1")
+        if self.schedule_timeout is not None and not (_is_real(self.schedule_timeout) and self.schedule_timeout > 0):
+            bad("schedule_timeout", "None or a number of seconds > 0")
+        if self.num_threads is not None and not (_is_int(self.num_threads) and self.num_threads >= 1):
+            bad("num_threads", "None or an int >= 1")
+        if self.tile_sizes is not None and not (isinstance(self.tile_sizes, (tuple, list)) and all(
+                _is_int(t) and t >= 1 for t in self.tile_sizes)):
+            bad("tile_sizes", "None or a tuple of ints >= 1")
+        if not isinstance(self.cache_dir, (str, os.PathLike)):
+            bad("cache_dir", "a path")
+        for name in ("rules_overlay", "feedback_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
+                bad(name, "None or a path")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            bad("progress", "None, True or False")
+        if not isinstance(self.preprocess, bool):
+            bad("preprocess", "True or False")
+        if not isinstance(self.model_name, str):
+            bad("model_name", "a str")
         from .machine import Machine, preset
         if isinstance(self.machine, str):
             preset(self.machine)        # OptionsError naming the presets

@@ -187,7 +187,7 @@ def op_instance(node_hex: str, domain: str, opset: int, options: tuple = ()):
     node.ParseFromString(bytes.fromhex(node_hex))
     try:
         cls = load_op(domain, node.op_type, opset)
-    except Exception as e:
+    except (RuntimeError, ValueError, KeyError) as e:     # what load_op raises for "no such op"
         raise UnsupportedOpError(node.op_type, node.name, f"no lowering and no onnx.reference "
                                  f"implementation ({type(e).__name__})") from None
     opts = options_from_key(options)

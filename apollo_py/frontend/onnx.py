@@ -206,7 +206,7 @@ def _map_external_data(proto, base_dir: str | None):
         full, offset, length = _external_location(t, root)
         try:
             dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        except Exception:
+        except (KeyError, ValueError, TypeError):    # an element type numpy has no dtype for
             dtype = None
         if dtype is None or dtype.kind not in "biuf":
             rest = True
