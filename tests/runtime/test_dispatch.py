@@ -42,7 +42,7 @@ def test_independent_kernels_share_one_dispatch(threads, machine):
     got = f.run(**feeds)
     want = evaluate(g, feeds)
     assert len(got) == len(want)
-    for a, w in zip(got, want):
+    for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=2e-6, atol=1e-6)
     exe = f._last
     sizes = [len(item) for kind, item in exe._schedule if kind == "kernels"]
