@@ -24,6 +24,24 @@ TARGETS = ("cpu", "reference", "cuda")
 GEMM_CHOICES = ("auto", "generated", "blas")
 
 
+def _default_max_memory() -> int | None:
+    """80% of physical memory (None where the OS does not say): what one model may plan for."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(nbytes: int, what: str, options) -> None:
+    """ResourceError when ``nbytes`` (for ``what``, which names the node or value) exceeds
+    ``options.max_memory``; called before the memory is allocated."""
+    limit = getattr(options, "max_memory", None)
+    if limit is not None and nbytes > limit:
+        from .errors import ResourceError
+        raise ResourceError(f"{what} needs {nbytes / 2**30:.3g} GiB, over Options.max_memory = "
+                            f"{limit / 2**30:.3g} GiB")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -54,6 +72,10 @@ class Options:
     ``gemm``: float32 matmul kernels: "auto" (BLAS, measured faster at every shape: see
     layers/gemm_lowering.py), "generated" (the generated GEMM, epilogue fused) or "blas".
     2-d float32 convs always run as the generated implicit GEMM.
+    ``max_memory``: bytes one compiled model may need: every tensor the model declares, its
+    constants, and the memory plan (arena and outputs) are checked at compile time, before
+    anything is allocated (ResourceError naming the node or value); default 80% of physical
+    memory, None = no limit.
     """
 
     target: str = "cpu"
@@ -69,6 +91,7 @@ class Options:
     progress: bool | None = None
     gemm: str = "auto"
     machine: object = None
+    max_memory: int | None = field(default_factory=_default_max_memory)
 
     def __post_init__(self):
         """Reject invalid fields here, with an OptionsError naming the field, so that a typo
@@ -88,6 +111,8 @@ class Options:
             bad("schedule_timeout", "None or a number of seconds > 0")
         if self.num_threads is not None and not (_is_int(self.num_threads) and self.num_threads >= 1):
             bad("num_threads", "None or an int >= 1")
+        if self.max_memory is not None and not (_is_int(self.max_memory) and self.max_memory >= 1):
+            bad("max_memory", "None or a number of bytes >= 1")
         if self.tile_sizes is not None and not (isinstance(self.tile_sizes, (tuple, list)) and all(
                 _is_int(t) and t >= 1 for t in self.tile_sizes)):
             bad("tile_sizes", "None or a tuple of ints >= 1")

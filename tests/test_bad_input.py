@@ -42,7 +42,7 @@ def test_malformed_einsum_equation_is_shape_error(eq, why):
     ("target", "bogus"), ("gemm", "bogus"), ("gemm", "blas "), ("schedule_budget", 0),
     ("schedule_budget", 1.5), ("schedule_timeout", -1), ("num_threads", 0), ("num_threads", True),
     ("tile_sizes", (4, 0)), ("cache_dir", 3), ("progress", "yes"), ("preprocess", None),
-    ("feedback_path", 7), ("model_name", None),
+    ("feedback_path", 7), ("model_name", None), ("max_memory", 0), ("max_memory", 1.5),
 ])
 def test_options_fields_are_validated(field, value):
     with pytest.raises(OptionsError, match=f"Options.{field} must be"):
@@ -168,3 +168,51 @@ def test_library_bugs_are_not_swallowed_as_unknown_ops(monkeypatch):
     monkeypatch.setattr(registry, "get_op", broken)
     with pytest.raises(ZeroDivisionError):
         gemm_lowering._fusable(g.nodes[-1], g.types, (2, 2), set())
+
+
+def _bomb(kind):
+    from onnx import TensorProto, helper, numpy_helper
+    shape = numpy_helper.from_array(np.array([10**6, 10**6], np.int64), "shape")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    if kind == "ConstantOfShape":
+        nodes = [helper.make_node("ConstantOfShape", ["shape"], ["c"],
+                                  value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+                 helper.make_node("Add", ["c", "x"], ["y"])]
+    elif kind == "Expand":
+        nodes = [helper.make_node("Expand", ["x", "shape"], ["e"]), helper.make_node("Exp", ["e"], ["z"]),
+                 helper.make_node("ReduceSum", ["z"], ["y"], keepdims=0)]
+    else:
+        nodes = [helper.make_node("Range", ["zero", "big", "one"], ["y"])]
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+        shape = numpy_helper.from_array(np.array(0, np.int64), "zero")
+        inits = [shape, numpy_helper.from_array(np.array(10**12, np.int64), "big"),
+                 numpy_helper.from_array(np.array(1, np.int64), "one")]
+        g = helper.make_graph(nodes, kind, [x], [y], initializer=inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    g = helper.make_graph(nodes, kind, [x], [y], initializer=[shape])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("kind", ["ConstantOfShape", "Expand", "Range"])
+def test_memory_bombs_are_resource_errors_before_allocating(kind):
+    import time
+    from apollo_py.errors import ResourceError
+    t0 = time.perf_counter()
+    with pytest.raises(ResourceError, match=f"node '{kind}_0' .*over Options.max_memory"):
+        ap.jit(_bomb(kind), target="cpu", options=ap.Options(max_memory=2**30)).plan
+    assert time.perf_counter() - t0 < 30
+
+
+def test_memory_plan_over_max_memory_is_resource_error():
+    from apollo_py.errors import ResourceError
+    b = ap.GraphBuilder("plan")
+    x = b.input("x", (256, 256))
+    y = b.exp(b.matmul(x, x)) + 1.0
+    g = b.build([b.reduce_sum(b.matmul(y, y), axes=(1,))])
+    with pytest.raises(ResourceError, match="graph 'plan' .*over Options.max_memory"):
+        ap.jit(g, options=ap.Options(max_memory=300_000)).plan
+    xv = np.full((256, 256), 0.001, np.float32)
+    f = ap.jit(g, options=ap.Options(max_memory=2**30))
+    yv = np.exp(xv.astype(np.float64) @ xv) + 1.0
+    np.testing.assert_allclose(f(xv), (yv @ yv).sum(axis=1), rtol=1e-4)

@@ -27,6 +27,7 @@ from ..ir.types import DTYPES
 from ..ir.verify import verify
 from ..ops import compound as C
 from ..ops.registry import get_op
+from ..options import check_memory
 from .program import InputSpec, Program
 
 #: ONNX TensorProto element type -> apollo dtype name (the dtypes apollo_py supports)
@@ -398,7 +399,7 @@ class OnnxProgram(Program):
         from .fallback import DataDependent
 
         shapes = self._check_shapes(shapes)
-        b = FoldingBuilder(self.name)
+        b = FoldingBuilder(self.name, options)
         env: dict[str, Value] = {}
         for spec in self.inputs:
             env[spec.name] = b.input(spec.name, shapes[spec.name], spec.dtype)
@@ -459,16 +460,21 @@ class Lowered:
 class FoldingBuilder(GraphBuilder):
     """A GraphBuilder that can evaluate values depending only on constants (shape arithmetic)."""
 
-    def __init__(self, name: str = "graph"):
+    def __init__(self, name: str = "graph", options=None):
         super().__init__(name)
         self.producer: dict[str, Node] = {}
         self._known: dict[str, np.ndarray | None] = {}
+        self._options = options
 
     def op(self, op, *inputs, **kw):
         outs = super().op(op, *inputs, **kw)
         node = self._nodes[-1]
         for o in node.outputs:
             self.producer[o] = node
+            # a declared tensor over Options.max_memory (an Expand or Reshape bomb) is refused
+            # here, before folding or compiling could allocate or loop over it
+            check_memory(self._types[o].nbytes, f"value {o!r} ({op} of shape "
+                         f"{list(self._types[o].shape)})", self._options)
         return outs
 
     def nodes(self) -> list[Node]:

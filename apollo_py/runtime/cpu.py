@@ -84,7 +84,12 @@ class CpuExecutable:
         self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps],
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
                                   external)
-        self._arenas = ArenaPool(self.memory, graph.types)
+        from ..options import check_memory
+        consts = sum(a.nbytes for a in self.constants.values())
+        outs = sum(graph.types[v].nbytes for v in set(graph.outputs) if v not in self.constants)
+        check_memory(self.memory.arena_bytes + outs + consts, f"graph {graph.name!r} (arena "
+                     f"{self.memory.arena_bytes} B, outputs {outs} B, constants {consts} B)", options)
+        self._arenas = ArenaPool(self.memory, graph.types)      # arenas allocated on first call
         self._trace = threading.local()
         self._pool = thread_pool(num_threads)
         self.plan = plan
