@@ -3,7 +3,7 @@
 Public API: :func:`jit`, :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the
 error classes.  Heavy modules (onnx, islpy, llvmlite, pycuda) load on first use.
 """
-from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
+from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError, ResourceError,
                      RuleError, ShapeError, UnsupportedOpError)
 from .machine import Machine
 from .options import Options
@@ -14,7 +14,7 @@ from .api import CompiledGraph, explain, jit
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
-           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "RuleError", "ShapeError", "TensorType",
+           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError", "TensorType",
            "UnsupportedOpError", "explain", "jit", "__version__"]
 
 from .train import grad, optim, train_step  # noqa: E402  (training API, DESIGN §12)

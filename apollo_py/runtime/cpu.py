@@ -81,7 +81,11 @@ class CpuExecutable:
         external |= {v for s in self.steps for v in s.outputs if v not in kernel_outs}
         self._root = _reshape_aliases(self.steps)
         root = self._root
-        self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps],
+        # a graph output that is a reshape view of an arena value is copied out after the last
+        # step, so that value lives to the end: the closing pseudo-step reads it (else a later
+        # kernel reuses its slot first -- found by tests/fuzz_graphs.py, seed 1743)
+        closing = [(tuple(root[v] for v in graph.outputs if v in root), ())]
+        self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps] + closing,
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
                                   external)
         from ..options import check_memory
