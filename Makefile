@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup bench zoo clean
+.PHONY: demo test setup bench zoo clean fuzz
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# differential testing at scale (issue #16): 10,000 random graphs cpu vs reference, 2,000
+# mutated ONNX models (only ApolloError may come out); fixed seeds, see tools/fuzz.py
+fuzz: $(STAMP)
+	$(BIN)/python tools/fuzz.py --graphs 10000 --mutations 2000
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

@@ -6,7 +6,7 @@ Public API: :func:`jit` (ONNX models, Graphs, and numpy-style Python functions),
 (onnx, islpy, llvmlite, pycuda) load on first use.
 """
 from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
-                     RuleError, ShapeError, TraceError, UnsupportedOpError)
+                     ResourceError, RuleError, ShapeError, TraceError, UnsupportedOpError)
 from .machine import Machine
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
@@ -16,7 +16,7 @@ from .api import CompiledGraph, explain, jit
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
-           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "RuleError", "ShapeError", "TensorType",
+           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError", "TensorType",
            "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 
 from .train import optim, train_step  # noqa: E402  (training API, DESIGN §12)

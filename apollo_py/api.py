@@ -12,6 +12,9 @@ from .ir.graph import Graph
 from .ir.types import DTYPES
 from .options import Options
 
+#: shape specialisations a CompiledGraph keeps (least recently used dropped first)
+MAX_SPECIALIZATIONS = 32
+
 
 def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None,
                  options: Options | None = None) -> Program:
@@ -43,8 +46,13 @@ class CompiledGraph:
             if k not in self._specs:
                 raise InputError(f"input_shapes names {k!r}, which is not an input; inputs are "
                                  f"{list(self._specs)}")
-        self._cache: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
+        from cachetools import LRUCache
+        # shape key -> executable, the least recently used dropped past the cap (a model fed
+        # ever new shapes must not keep every specialisation's code and arenas alive)
+        self._cache: LRUCache = LRUCache(MAX_SPECIALIZATIONS)
+        self._last = None                   # the most recently compiled specialisation
+        self._lock = threading.Lock()       # guards _cache, _last and _compiling
+        self._compiling: dict[tuple, threading.Lock] = {}   # shape key -> lock held while compiling
 
     @property
     def input_names(self) -> list[str]:
@@ -75,7 +83,11 @@ class CompiledGraph:
             arr = feeds[name]
             if not isinstance(arr, np.ndarray):
                 if isinstance(arr, (bool, int, float, np.generic)) or isinstance(arr, (list, tuple)):
-                    arr = np.asarray(arr, dtype=DTYPES[spec.dtype])
+                    try:
+                        arr = np.asarray(arr, dtype=DTYPES[spec.dtype])
+                    except (ValueError, TypeError, OverflowError) as e:    # ragged, strings, ...
+                        raise InputError(f"input {name!r}: cannot convert {type(arr).__name__} to a "
+                                         f"{spec.dtype} array: {e}") from None
                 else:
                     raise InputError(f"input {name!r} must be a numpy array, got {type(arr).__name__}")
             want = self._dtypes[name]     # dtype.name costs 3 us, dtype != 0.05 us
@@ -92,21 +104,35 @@ class CompiledGraph:
     def specialization(self, shapes: Mapping[str, tuple]):
         """The executable for these input shapes (compiled on first use, then cached)."""
         key = tuple(tuple(shapes[n]) for n in self.input_names)
-        exe = self._cache.get(key)
-        if exe is None:
+        with self._lock:        # LRUCache reorders on every get: not safe without the lock
+            exe = self._cache.get(key)
+            if exe is not None:
+                return exe
+            # one lock per shape: a slow compile of one shape does not block another shape's
+            # first call, and two threads wanting the same new shape compile it once
+            klock = self._compiling.setdefault(key, threading.Lock())
+        with klock:
             with self._lock:
                 exe = self._cache.get(key)
-                if exe is None:
-                    from .frontend.staged import compile_program
+            if exe is None:
+                from .frontend.staged import compile_program
+                try:
                     exe = compile_program(self.program, dict(zip(self.input_names, key)), self.options)
-                    self._cache[key] = exe
+                    with self._lock:
+                        self._cache[key] = exe
+                        self._last = exe
+                finally:
+                    with self._lock:
+                        self._compiling.pop(key, None)
         return exe
 
     @property
     def plan(self):
         """The plan of the most recent specialisation, or of the pinned / static shapes."""
-        if self._cache:
-            return next(reversed(self._cache.values())).plan
+        with self._lock:
+            last = self._last
+        if last is not None:
+            return last.plan
         shapes = {}
         for s in self.program.inputs:
             shape = self._pinned.get(s.name) or s.dims

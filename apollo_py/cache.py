@@ -64,6 +64,7 @@ class PieceCache:
         self._lock = threading.Lock()
         self._disk_bytes: int | None = None   # payload bytes on disk as last counted (+ writes since)
         self.hits = self.misses = self.disk_hits = self.evictions = 0
+        self.write_error: str | None = None   # why the directory could not be written (once)
 
     def _paths(self, key: str) -> tuple[str, str]:
         sub = os.path.join(self.directory, "pieces", key[:2])
@@ -104,7 +105,7 @@ class PieceCache:
                 payload = f.read()
         except (OSError, ValueError):
             return None
-        if hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
+        if not isinstance(meta, dict) or hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
             for p in (bin_path, json_path):
                 try:
                     os.unlink(p)
@@ -123,8 +124,18 @@ class PieceCache:
             os.makedirs(os.path.dirname(bin_path), exist_ok=True)
             atomic_write(bin_path, payload)
             atomic_write(json_path, json.dumps(meta, sort_keys=True).encode())
-        except OSError:
-            return  # a read-only or full cache dir only costs recompilation
+        except OSError as e:
+            # a read-only or full cache dir only costs recompilation, but say so once: silently,
+            # every new process would compile (and time) everything again without a hint why
+            with self._lock:
+                first, self.write_error = self.write_error is None, f"{e.strerror or e}"
+            if first:
+                import warnings
+                warnings.warn(f"apollo_py: cannot write the compile cache in {self.directory!r} "
+                              f"({self.write_error}); compiled code is kept in memory only, for this "
+                              "process (set Options.cache_dir or $APOLLO_PY_CACHE_DIR to a writable "
+                              "directory)", RuntimeWarning, stacklevel=2)
+            return
         with self._lock:
             if self._disk_bytes is not None:
                 self._disk_bytes += len(payload)

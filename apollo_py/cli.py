@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import ApolloError
@@ -57,10 +58,18 @@ def _cmd_run(args, opts):
     from .api import jit
     f = jit(args.model, options=opts, input_shapes=parse_shapes(args.shape) or None)
     outs = f.run(**_load_inputs(args.input, f))
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            raise ApolloError(f"--out {args.out!r}: cannot create the directory: {e}") from None
     for name, arr in zip(f.output_names, outs):
         if args.out:
-            path = f"{args.out.rstrip('/')}/{name}.npy"
-            np.save(path, arr)
+            path = os.path.join(args.out, f"{name}.npy")
+            try:
+                np.save(path, arr)
+            except OSError as e:
+                raise ApolloError(f"cannot write output {name!r} to {path!r}: {e}") from None
             print(f"{name}: {arr.dtype}{list(arr.shape)} -> {path}")
         else:
             print(f"{name}: {arr.dtype}{list(arr.shape)}\n{arr}")
@@ -167,15 +176,15 @@ def main(argv=None) -> int:
         "apollo_py.machine", fromlist=["PRESETS"]).PRESETS)) + ")")
     mc.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    opts = Options()
-    target = getattr(args, "sub_target", None) or args.target
-    if target:
-        opts = opts.replace(target=target)
-    if args.cache_dir:
-        opts = opts.replace(cache_dir=args.cache_dir)
     handlers = {"explain": _cmd_explain, "run": _cmd_run, "compile": _cmd_compile, "cache": _cmd_cache,
                 "feedback": _cmd_feedback, "machine": _cmd_machine}
     try:
+        opts = Options()
+        target = getattr(args, "sub_target", None) or args.target
+        if target:
+            opts = opts.replace(target=target)          # OptionsError for a bad --target
+        if args.cache_dir:
+            opts = opts.replace(cache_dir=args.cache_dir)
         handlers[args.cmd](args, opts)
     except ApolloError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from .errors import CompileError
 from .ir.graph import Graph
-from .options import Options
+from .options import TARGETS, Options
 from .plan import Plan
 
-TARGETS = ("reference", "cpu", "cuda", "cuda-emu")
 
 
 def compile_graph(graph: Graph, options: Options):

@@ -47,6 +47,11 @@ class RuleError(ApolloError):
     """A partition rule table or user overlay is malformed."""
 
 
+class ResourceError(ApolloError):
+    """A model needs more memory than ``Options.max_memory`` allows (raised at compile time,
+    before the memory is allocated); the message names the node or value."""
+
+
 class OptionsError(ApolloError):
     """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
 

@@ -279,8 +279,8 @@ def load_machine(cache_dir: str) -> Machine | None:
         if _fingerprint(notes["hardware"]) != _fingerprint(hardware()):
             return None
         return Machine(**data["figures"], source=f"cached:{path}", notes=notes)
-    except (OSError, ValueError, TypeError, KeyError, OptionsError):
-        return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OptionsError):
+        return None     # unreadable or not the expected objects: measure again
 
 
 def save_machine(cache_dir: str, machine: Machine) -> str:

@@ -18,6 +18,38 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "apollo_py")
 
 
+#: valid ``Options.target`` values ("cuda": the CUDA back end, where it is built in)
+TARGETS = ("cpu", "reference", "cuda", "cuda-emu")
+#: valid ``Options.gemm`` values
+GEMM_CHOICES = ("auto", "generated", "blas")
+
+
+def _default_max_memory() -> int | None:
+    """80% of physical memory (None where the OS does not say): what one model may plan for."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(nbytes: int, what: str, options) -> None:
+    """ResourceError when ``nbytes`` (for ``what``, which names the node or value) exceeds
+    ``options.max_memory``; called before the memory is allocated."""
+    limit = getattr(options, "max_memory", None)
+    if limit is not None and nbytes > limit:
+        from .errors import ResourceError
+        raise ResourceError(f"{what} needs {nbytes / 2**30:.3g} GiB, over Options.max_memory = "
+                            f"{limit / 2**30:.3g} GiB")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class Options:
     """What the compiler may do and where it keeps its files.
@@ -41,6 +73,10 @@ class Options:
     ``gemm``: float32 matmul kernels: "auto" (BLAS, measured faster at every shape: see
     layers/gemm_lowering.py), "generated" (the generated GEMM, epilogue fused) or "blas".
     2-d float32 convs always run as the generated implicit GEMM.
+    ``max_memory``: bytes one compiled model may need: every tensor the model declares, its
+    constants, and the memory plan (arena and outputs) are checked at compile time, before
+    anything is allocated (ResourceError naming the node or value); default 80% of physical
+    memory, None = no limit.
     """
 
     target: str = "cpu"
@@ -56,8 +92,42 @@ class Options:
     progress: bool | None = None
     gemm: str = "auto"
     machine: object = None
+    max_memory: int | None = field(default_factory=_default_max_memory)
 
     def __post_init__(self):
+        """Reject invalid fields here, with an OptionsError naming the field, so that a typo
+        (``gemm="blas "``) is not silently read as the default further down."""
+        from .errors import OptionsError
+
+        def bad(name, want):
+            raise OptionsError(f"Options.{name} must be {want}, not {getattr(self, name)!r}")
+
+        if self.target not in TARGETS:
+            bad("target", f"one of {list(TARGETS)}")
+        if self.gemm not in GEMM_CHOICES:
+            bad("gemm", f"one of {list(GEMM_CHOICES)}")
+        if not _is_int(self.schedule_budget) or self.schedule_budget < 1:
+            bad("schedule_budget", "an int >= 1")
+        if self.schedule_timeout is not None and not (_is_real(self.schedule_timeout) and self.schedule_timeout > 0):
+            bad("schedule_timeout", "None or a number of seconds > 0")
+        if self.num_threads is not None and not (_is_int(self.num_threads) and self.num_threads >= 1):
+            bad("num_threads", "None or an int >= 1")
+        if self.max_memory is not None and not (_is_int(self.max_memory) and self.max_memory >= 1):
+            bad("max_memory", "None or a number of bytes >= 1")
+        if self.tile_sizes is not None and not (isinstance(self.tile_sizes, (tuple, list)) and all(
+                _is_int(t) and t >= 1 for t in self.tile_sizes)):
+            bad("tile_sizes", "None or a tuple of ints >= 1")
+        if not isinstance(self.cache_dir, (str, os.PathLike)):
+            bad("cache_dir", "a path")
+        for name in ("rules_overlay", "feedback_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
+                bad(name, "None or a path")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            bad("progress", "None, True or False")
+        if not isinstance(self.preprocess, bool):
+            bad("preprocess", "True or False")
+        if not isinstance(self.model_name, str):
+            bad("model_name", "a str")
         from .machine import Machine, preset
         if isinstance(self.machine, str):
             preset(self.machine)        # OptionsError naming the presets

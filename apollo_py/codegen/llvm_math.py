@@ -206,7 +206,8 @@ def _tanh(fn: _Fn, x: str) -> str:
     sm1 = fn.f("fsub", sc, fconst(1.0))
     em = fn.op(f"call float @llvm.fma.f32(float {sc}, float {em_r}, float {sm1})")
     d = fn.f("fadd", em, fconst(2.0))
-    return fn.f("fdiv", em, d)
+    # the sign of x, so that tanh(-0.0) is -0.0 as in numpy (expm1 loses it)
+    return fn.op(f"call float @llvm.copysign.f32(float {fn.f('fdiv', em, d)}, float {x})")
 
 
 def _erf(fn: _Fn, x: str) -> str:
@@ -263,8 +264,16 @@ def _pow(fn: _Fn, a: str, b: str) -> str:
     odd = fn.op(f"and i1 {isint}, {fn.cmp('une', fh, half)}")
     nr = fn.op(f"fneg {FLAGS} float {r}")
     signed = fn.sel(odd, nr, r)
-    neg_res = fn.sel(isint, signed, NAN)
-    res = fn.sel(fn.cmp("olt", a, fconst(0.0)), neg_res, r)
+    # a negative base (-0.0 included: its odd powers keep the sign, as in numpy) takes an
+    # integer power's sign; -inf to a non-integer power is +inf or +0 like |a|, not NaN
+    bad = fn.op(f"and i1 {fn.cmp('olt', a, fconst(0.0))}, {fn.cmp('one', a, fconst(float('-inf')))}")
+    neg_res = fn.sel(isint, signed, fn.sel(bad, NAN, r))
+    neg = fn.op(f"icmp slt i32 {fn.op(f'bitcast float {a} to i32')}, 0")
+    res = fn.sel(neg, neg_res, r)
+    res = fn.sel(fn.cmp("oeq", b, fconst(1.0)), a, res)             # exact, no overflow at the ends
+    ab = fn.op(f"call float @llvm.fabs.f32(float {b})")
+    one_inf = fn.op(f"and i1 {fn.cmp('oeq', aa, fconst(1.0))}, {fn.cmp('oeq', ab, fconst(float('inf')))}")
+    res = fn.sel(one_inf, fconst(1.0), res)                             # (-1) ** +-inf = 1 (C99, numpy)
     res = fn.sel(fn.cmp("oeq", b, fconst(0.0)), fconst(1.0), res)
     return fn.sel(fn.cmp("oeq", a, fconst(1.0)), fconst(1.0), res)
 

@@ -65,20 +65,24 @@ def log_event(options: Options, event: str, signature: str, *, sizes: Any = None
 
 
 def iter_events(path: str) -> Iterator[dict]:
-    """Events of the log at ``path`` in order; a missing file has none, a torn line is skipped."""
+    """Events of the log at ``path`` in order; a missing file has none.  A line that is not a
+    JSON object (torn by a crash, bytes that are not UTF-8, another tool's writes) is skipped:
+    the log is advisory, and one bad line must not hide the others."""
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except FileNotFoundError:
         return
     with f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+        for raw in f:
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
+                line = raw.decode("utf-8").strip()
+                if not line:
+                    continue
+                event = json.loads(line)
+            except (UnicodeDecodeError, ValueError):
                 continue
+            if isinstance(event, dict):
+                yield event
 
 
 def read_events(path: str, event: str | None = None) -> list[dict]:

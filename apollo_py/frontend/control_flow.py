@@ -112,6 +112,9 @@ def embed_constant_captures(node, lookup, limit: int = EMBED_LIMIT):
     return out
 
 
+_MAX_BODY_SPECIALIZATIONS = 32
+
+
 class SubgraphRunner:
     """Stands in for onnx.reference's evaluator of a subgraph; runs it compiled by apollo_py.
 
@@ -134,7 +137,9 @@ class SubgraphRunner:
         self.opset = int(opset or (opsets or {}).get("", 0) or 0)
         self._nodes = onnx_nodes(graph)
         self._inits = {t.name: _tensor_array(t, f"subgraph {graph.name!r} initializer") for t in graph.initializer}
-        self._cache: dict[tuple, Any] = {}
+        from cachetools import LRUCache
+        # bounded like CompiledGraph's: a loop body fed ever new shapes keeps the latest few
+        self._cache: LRUCache = LRUCache(_MAX_BODY_SPECIALIZATIONS)
         self._lock = threading.Lock()
         self.last_plan = None
 
@@ -142,7 +147,8 @@ class SubgraphRunner:
         from .staged import compile_nodes_for
 
         key = tuple((a.shape, a.dtype.name) for a in arrays)
-        exe = self._cache.get(key)
+        with self._lock:        # LRUCache reorders on get: only under the lock
+            exe = self._cache.get(key)
         if exe is None:
             with self._lock:
                 exe = self._cache.get(key)
@@ -181,7 +187,7 @@ def op_instance(node_hex: str, domain: str, opset: int, options: tuple = ()):
     node.ParseFromString(bytes.fromhex(node_hex))
     try:
         cls = load_op(domain, node.op_type, opset)
-    except Exception as e:
+    except (RuntimeError, ValueError, KeyError) as e:     # what load_op raises for "no such op"
         raise UnsupportedOpError(node.op_type, node.name, f"no lowering and no onnx.reference "
                                  f"implementation ({type(e).__name__})") from None
     opts = options_from_key(options)

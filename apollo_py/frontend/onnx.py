@@ -27,6 +27,7 @@ from ..ir.types import DTYPES
 from ..ir.verify import verify
 from ..ops import compound as C
 from ..ops.registry import get_op
+from ..options import check_memory
 from .program import InputSpec, Program
 
 #: ONNX TensorProto element type -> apollo dtype name (the dtypes apollo_py supports)
@@ -84,7 +85,7 @@ def _checked_marker(cache_dir: str | None, path: str | None) -> str | None:
     except OSError:
         return None
     ident = f"{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{onnx.__version__}"
-    return os.path.join(cache_dir, "checked", hashlib.sha256(ident.encode()).hexdigest())
+    return os.path.join(cache_dir, "checked", hashlib.sha256(ident.encode()).hexdigest() + ".json")
 
 
 def load_onnx(model: Any, cache_dir: str | None = None) -> "OnnxProgram":
@@ -105,8 +106,11 @@ def load_onnx(model: Any, cache_dir: str | None = None) -> "OnnxProgram":
         _check(proto, path, model)
         if marker is not None:
             try:
+                import json
+
+                from ..fsutil import atomic_write
                 os.makedirs(os.path.dirname(marker), exist_ok=True)
-                open(marker, "wb").close()
+                atomic_write(marker, json.dumps({"checked": os.path.realpath(path)}).encode())
             except OSError:     # a cache dir that cannot be written only costs the check
                 pass
     return _program_from(proto, mapped)
@@ -242,7 +246,7 @@ def _map_external_data(proto, base_dir: str | None):
         full, offset, length = _external_location(t, root)
         try:
             dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        except Exception:
+        except (KeyError, ValueError, TypeError):    # an element type numpy has no dtype for
             dtype = None
         if dtype is None or dtype.kind not in "biuf":
             rest = True
@@ -437,7 +441,7 @@ class OnnxProgram(Program):
         from .fallback import DataDependent
 
         shapes = self._check_shapes(shapes)
-        b = FoldingBuilder(self.name)
+        b = FoldingBuilder(self.name, options)
         env: dict[str, Value] = {}
         for spec in self.inputs:
             env[spec.name] = b.input(spec.name, shapes[spec.name], spec.dtype)
@@ -498,16 +502,21 @@ class Lowered:
 class FoldingBuilder(GraphBuilder):
     """A GraphBuilder that can evaluate values depending only on constants (shape arithmetic)."""
 
-    def __init__(self, name: str = "graph"):
+    def __init__(self, name: str = "graph", options=None):
         super().__init__(name)
         self.producer: dict[str, Node] = {}
         self._known: dict[str, np.ndarray | None] = {}
+        self._options = options
 
     def op(self, op, *inputs, **kw):
         outs = super().op(op, *inputs, **kw)
         node = self._nodes[-1]
         for o in node.outputs:
             self.producer[o] = node
+            # a declared tensor over Options.max_memory (an Expand or Reshape bomb) is refused
+            # here, before folding or compiling could allocate or loop over it
+            check_memory(self._types[o].nbytes, f"value {o!r} ({op} of shape "
+                         f"{list(self._types[o].shape)})", self._options)
         return outs
 
     def nodes(self) -> list[Node]:

@@ -28,8 +28,8 @@ def has_reference(op_type: str, domain: str, opset: int) -> bool:
     try:
         load_op(domain, op_type, opset)
         return True
-    except Exception:  # onnx raises several types for "no such op"
-        return False
+    except (RuntimeError, ValueError, KeyError):  # "no such op": NotImplementedError, or
+        return False                              # ValueError for an unknown domain
 
 
 def _infer(ins, attrs):

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.types import FLOAT_DTYPES
+from ..options import check_memory
 from ..ops import compound as C
 from .converters import CONVERTERS, converter  # noqa: F401  (CONVERTERS: re-exported, filled below)
 from .onnx import NodeContext, onnx_dtype
@@ -414,6 +415,10 @@ def _constant_of_shape(cx):
     value = np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)
     if value.dtype.name not in {"float32", "float16", "float64", "int32", "int64", "bool"}:
         raise cx.unsupported(f"value of dtype {value.dtype.name} is not supported")
+    if any(d < 0 for d in shape):
+        raise cx.error(f"negative dimension in shape {shape}")
+    check_memory(prod(shape) * value.dtype.itemsize, f"ConstantOfShape of shape {shape}",
+                 cx.lowering.options)       # before np.full allocates it
     return cx.b.constant(np.full(shape, value[0], dtype=value.dtype))
 
 
@@ -421,6 +426,7 @@ def _constant_of_shape(cx):
 def _range(cx):
     start, limit, delta = (np.asarray(cx.const(k)).reshape(()) for k in range(3))
     n = max(int(np.ceil((float(limit) - float(start)) / float(delta))), 0)
+    check_memory(n * start.dtype.itemsize, f"Range of {n} elements", cx.lowering.options)
     out = (start + np.arange(n, dtype=start.dtype) * delta).astype(start.dtype)
     return cx.b.constant(out)
 

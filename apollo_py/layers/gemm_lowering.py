@@ -21,6 +21,7 @@ A conv always runs as implicit GEMM (the only alternative is the float64 im2col 
 from __future__ import annotations
 
 
+from ..errors import UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..options import Options
 
@@ -33,7 +34,7 @@ def _fusable(n: Node, types, shape: tuple, known: set) -> bool:
         return False
     try:
         op = get_op(n.op)
-    except Exception:   # noqa: BLE001 - unknown op: not an epilogue op
+    except UnsupportedOpError:      # not a primitive (a fallback op): not an epilogue op
         return False
     if op.scalar is None or n.op in _NOT_EPILOGUE or len(n.outputs) != 1:
         return False

@@ -91,7 +91,7 @@ def signature_of(nodes: Sequence[Node], types: Mapping[str, TensorType]) -> str:
         classes = [classify(n.op, tuple(types[v] for v in n.inputs),
                             tuple(types[v] for v in n.outputs), n.attrs) for n in nodes]
         return pattern_signature(list(nodes), classes)
-    except Exception:     # partition not importable yet: op names in order
+    except ImportError:     # partition not importable yet: op names in order
         return "|".join(n.op for n in nodes)
 
 

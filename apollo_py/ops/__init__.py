@@ -7,5 +7,8 @@ full op set; the registry module itself imports no op definitions.
 from .registry import OpDef, all_ops, get_op, has_op
 from . import primitives  # noqa: F401  (registers the primitives; primitives imports structural)
 from .classify import classify, CLASSES
+from .registry import provide_table
+
+provide_table()     # last: the IR sees the op table only once every primitive is in it
 
 __all__ = ["OpDef", "all_ops", "get_op", "has_op", "classify", "CLASSES"]

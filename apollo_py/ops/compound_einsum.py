@@ -18,6 +18,8 @@ from .compound import reshape
 def _parse(equation: str, ranks: list[int]) -> tuple[list[list[str]], list[str]]:
     """Labels of each operand and of the output; '...' becomes right-aligned labels '.0', '.1'..."""
     eq = equation.replace(" ", "")
+    if eq.count("->") > 1:
+        raise ShapeError(f"einsum equation {equation!r} has more than one '->'")
     lhs, rhs = eq.split("->") if "->" in eq else (eq, None)
     terms = lhs.split(",")
     if len(terms) != len(ranks):
@@ -34,6 +36,8 @@ def _parse(equation: str, ranks: list[int]) -> tuple[list[list[str]], list[str]]
                 raise ShapeError(f"einsum equation {equation!r}: bad label {ch!r}")
         if "..." not in term:
             return list(term)
+        if term.count("...") > 1:
+            raise ShapeError(f"einsum equation {equation!r}: term {term!r} has more than one '...'")
         head, tail = term.split("...")
         k = n_ell if rank is None else rank - len(head) - len(tail)
         if k < 0:

@@ -145,4 +145,9 @@ class _RegistryTable:
         return infer_types(get_op(op, node), in_types, attrs, node)
 
 
-optable.provide(_RegistryTable())
+def provide_table() -> None:
+    """Hand this registry to the IR as its op table.  ``ops/__init__`` calls it after every
+    primitive has registered: provided at this module's import, a thread building a graph
+    while another thread runs the first ``import apollo_py.ops`` could see a half-filled table
+    and reject a valid op."""
+    optable.provide(_RegistryTable())

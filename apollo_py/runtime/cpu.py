@@ -81,10 +81,20 @@ class CpuExecutable:
         external |= {v for s in self.steps for v in s.outputs if v not in kernel_outs}
         self._root = _reshape_aliases(self.steps)
         root = self._root
-        self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps],
+        # a graph output that is a reshape view of an arena value is copied out after the last
+        # step, so that value lives to the end: the closing pseudo-step reads it (else a later
+        # kernel reuses its slot first -- found by tests/fuzz_graphs.py, seed 1743)
+        closing = [(tuple(root[v] for v in graph.outputs if v in root), ())]
+        self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps] + closing,
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
                                   external)
-        self._arenas = ArenaPool(self.memory, graph.types)
+        from ..options import check_memory
+        consts = sum(a.nbytes for a in self.constants.values())
+        outs = sum(graph.types[v].nbytes for v in set(graph.outputs) if v not in self.constants)
+        check_memory(self.memory.arena_bytes + outs + consts, f"graph {graph.name!r} (arena "
+                     f"{self.memory.arena_bytes} B, outputs {outs} B, constants {consts} B)", options)
+        self._arenas = ArenaPool(self.memory, graph.types)      # arenas allocated on first call
+        self._trace = threading.local()
         self._pool = thread_pool(num_threads)
         self.plan = plan
         self._schedule = self._dispatch_schedule()
@@ -161,8 +171,16 @@ class CpuExecutable:
             why = self._inplace[key] = inplace_reason(self, output, source)
         return why
 
-    #: set to a list to record ``(schedule index, seconds)`` per dispatch of every call (profiling)
-    trace: list | None = None
+    @property
+    def trace(self) -> list | None:
+        """Set to a list to record ``(schedule index, seconds)`` per dispatch of this
+        executable's calls made by the setting thread (profiling).  Per executable and per
+        thread, so a profiler in one thread never sees, nor races on, another thread's calls."""
+        return getattr(self._trace, "value", None)
+
+    @trace.setter
+    def trace(self, value: list | None) -> None:
+        self._trace.value = value
 
     def run(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Graph outputs for ``feeds``; ``out`` (output name -> array, already validated by the

@@ -112,7 +112,10 @@ class Arena:
         large output costs no page faults), else a new :func:`aligned_empty` array."""
         a = self._kept.pop(value, None)
         # references: this frame's ``a`` and getrefcount's argument -- nobody else holds it;
-        # the caller's views of ``a`` reference its owner block instead, which then has more
+        # the caller's views of ``a`` reference its owner block instead, which then has more.
+        # Every Python-level holder counts (memoryview, np.from_dlpack, ctypes.data_as, an
+        # __array_interface__ object that keeps ``a``: tests/runtime/test_output_alignment.py);
+        # only a bare integer address outlives the array unseen, as with any freed array
         if a is not None and sys.getrefcount(a) == 2 and a.shape == tuple(shape) \
                 and a.dtype == dtype and a.flags.writeable and isinstance(a.base, np.ndarray) \
                 and a.base.base is None and sys.getrefcount(a.base) == 2:

@@ -42,11 +42,14 @@ class _Job:
                     return
                 self.next = k + 1
             cfunc, ptrs, lo, hi = chunks[k]
+            err = None
             try:
                 cfunc(ptrs, lo, hi)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller thread
-                self.error = exc
+                err = exc
             with self.lock:
+                if err is not None and self.error is None:
+                    self.error = err        # the first error, as run() promises
                 self.remaining -= 1
                 if self.remaining == 0:
                     self.done.set()

@@ -163,22 +163,34 @@ def test_float16_storage_agrees(rng):
                                rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("build,arrays", [
+def _softmax_ref(x):
+    x = x.reshape(5, 128).astype(np.float64)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).ravel()
+
+
+@pytest.mark.parametrize("build,arrays,want", [
     (lambda: K.softmax_rows(5, 128),
-     lambda r: [r.standard_normal(640).astype(np.float32), np.empty(640, np.float32)]),
+     lambda r: [r.standard_normal(640).astype(np.float32), np.empty(640, np.float32)], _softmax_ref),
     (lambda: K.reduce_form("y", "max", 19, 133),
-     lambda r: [r.standard_normal(19 * 133).astype(np.float32), np.empty(19, np.float32)]),
+     lambda r: [r.standard_normal(19 * 133).astype(np.float32), np.empty(19, np.float32)],
+     lambda x: K.ref_reduce("y", "max", x, 19, 133)),
     (lambda: K.reduce_form("x", "sum", 7, 45),
-     lambda r: [r.standard_normal(7 * 45).astype(np.float32), np.empty(7, np.float32)]),
+     lambda r: [r.standard_normal(7 * 45).astype(np.float32), np.empty(7, np.float32)],
+     lambda x: K.ref_reduce("x", "sum", x, 7, 45)),
 ])
-def test_ubsan_clean(build, arrays, rng):
-    # UBSan with bounds checks on the Alloc tiles; any report aborts the process
+def test_ubsan_clean(build, arrays, want, rng):
+    # UBSan with bounds checks on the Alloc tiles; any report aborts the process.  The output
+    # is checked too: a kernel that ran clean but computed nothing must not pass
     flags = ("-O1", "-fsanitize=undefined,bounds", "-fno-sanitize-recover=all")
     try:
         ck = compile_c(build(), flags=flags)
     except CompileError as exc:
         pytest.skip(f"C compiler without UBSan: {exc}")
-    ck(arrays(rng))
+    args = arrays(rng)
+    args[1][:] = np.nan
+    ck(args)
+    np.testing.assert_allclose(args[1], want(args[0]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int16", "uint8", "uint16", "uint32", "uint64"])

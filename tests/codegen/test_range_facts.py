@@ -110,7 +110,8 @@ def test_marked_kernel_matches_numpy(rng):
 
 
 def test_fact_needs_a_float_operand():
-    with pytest.raises(Exception):
+    from apollo_py.errors import CompileError
+    with pytest.raises(CompileError, match="'neg': a range fact needs a float operand"):
         L.Un("neg", L.Var("i"), 0.0)
 
 

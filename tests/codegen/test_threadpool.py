@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from apollo_py.codegen.llvm import compile_llvm
+from apollo_py.errors import ApolloError
 from apollo_py.runtime.threadpool import ThreadPool
 
 import codegen_kernels as K
@@ -68,7 +69,7 @@ def test_concurrent_callers(softmax, rng):
         for t in threads:
             t.join()
     assert not errors
-    for out, ref in zip(outs, refs):
+    for out, ref in zip(outs, refs, strict=True):
         np.testing.assert_array_equal(out, ref)
 
 
@@ -76,7 +77,7 @@ def test_run_after_close_raises(softmax):
     pool = ThreadPool(2)
     pool.close()
     pool.close()
-    with pytest.raises(Exception):
+    with pytest.raises(ApolloError, match="after close"):
         pool.run(softmax, [np.zeros(301 * 128, np.float32)] * 2)
 
 

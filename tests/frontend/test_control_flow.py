@@ -20,7 +20,7 @@ def _ort(model, feeds):
 def _check(f, model, feeds, rtol=1e-5, atol=1e-6):
     got, want = f.run(**feeds), _ort(model, feeds)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape, (g.shape, w.shape)
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 

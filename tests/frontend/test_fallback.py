@@ -29,7 +29,7 @@ def _check(f, model, feeds, rtol=1e-5, atol=1e-6):
     got = f.run(**feeds)
     want = _ort(model, feeds)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 

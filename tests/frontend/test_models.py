@@ -34,7 +34,7 @@ def test_model_matches_onnxruntime(name):
     want = ort_run(model, feeds)
     got = apollo_py.jit(model, target="reference").run(**feeds)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert_close(g, w)
 
 

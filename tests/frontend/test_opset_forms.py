@@ -158,6 +158,6 @@ def test_opset_form_matches_onnxruntime(name):
     want = sess.run(None, feeds)
     got = apollo_py.jit(model, target="reference").run(**feeds)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

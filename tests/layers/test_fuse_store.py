@@ -65,7 +65,7 @@ def test_warm_compile_does_no_isl_and_no_llvm_work(tmp_path, monkeypatch):
     monkeypatch.setattr(llvm, "run_o3", forbidden)
     warm = ap.jit(g, options=opts).run(**feeds)
     assert len(warm) == len(cold) == len(want)
-    for a, b, w in zip(warm, cold, want):
+    for a, b, w in zip(warm, cold, want, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-4)
 

@@ -40,7 +40,7 @@ def _run(g, kernels, seed=0, chunks=None, feeds=None):
                 ck(args, int(lo), int(hi))
         else:
             ck(args)
-    for v, r in zip(g.outputs, ref):
+    for v, r in zip(g.outputs, ref, strict=True):
         got = env[v]
         assert got.shape == r.shape and got.dtype == r.dtype
         err = np.abs(got - r)

@@ -104,12 +104,18 @@ def test_tiling_outer_band():
     assert tiled.get_root().child(0).child(0).band_n_member() == 2    # point band
 
 
-@pytest.mark.parametrize("ops", [2_000, 20_000, 45_000, 70_000, 95_000, 120_000])
-def test_any_budget_either_schedules_or_raises_budget_exceeded(ops):
-    """Running out mid-way (e.g. inside the schedule-tree parser) is still BudgetExceeded."""
+def test_any_budget_either_schedules_or_raises_budget_exceeded():
+    """Running out mid-way (e.g. inside the schedule-tree parser) is still BudgetExceeded; the
+    smallest budget runs out, the largest schedules, and once one schedules so do all larger."""
     p = _prog(graphs.layernorm(8, 32))
-    try:
-        fs, deps = schedule_program(p, compute_dependences, ops)
-    except BudgetExceeded:
-        return
-    assert check_legal(fs.schedule, deps, p)
+    outcomes = []
+    for ops in (2_000, 20_000, 45_000, 70_000, 95_000, 120_000, 1_000_000):
+        try:
+            fs, deps = schedule_program(p, compute_dependences, ops)
+        except BudgetExceeded:
+            outcomes.append(False)
+            continue
+        assert check_legal(fs.schedule, deps, p)
+        outcomes.append(True)
+    assert outcomes[0] is False and outcomes[-1] is True, outcomes
+    assert outcomes == sorted(outcomes), outcomes       # monotone in the budget

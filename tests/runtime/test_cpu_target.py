@@ -32,7 +32,7 @@ def test_example_models_match_onnxruntime(name):
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     want = sess.run(None, feeds)
     got = ap.jit(model, target="cpu").run(**feeds)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         _close(g, w)
 
 
@@ -107,19 +107,26 @@ def test_concurrent_calls_from_threads():
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((256, 64)).astype(np.float32) for _ in range(6)]
     want = [evaluate(g, {"x": x})[0] for x in xs]
-    got = [None] * len(xs)
+    got = [[] for _ in xs]
+    errors = []
 
     def work(i):
-        for _ in range(5):
-            got[i] = f(xs[i])
+        try:
+            for _ in range(5):
+                got[i].append(f(xs[i]))
+        except BaseException as e:      # noqa: BLE001 - reported below, not lost in the thread
+            errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for g_, w in zip(got, want):
-        _close(g_, w, rtol=1e-6, atol=1e-7)
+    assert not errors
+    for results, w in zip(got, want, strict=True):
+        assert len(results) == 5           # every call of every thread is checked
+        for g_ in results:
+            _close(g_, w, rtol=1e-6, atol=1e-7)
 
 
 def test_c_renderer_agrees_on_each_class():

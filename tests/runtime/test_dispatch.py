@@ -42,9 +42,9 @@ def test_independent_kernels_share_one_dispatch(threads, machine):
     got = f.run(**feeds)
     want = evaluate(g, feeds)
     assert len(got) == len(want)
-    for a, w in zip(got, want):
+    for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=2e-6, atol=1e-6)
-    exe = next(reversed(f._cache.values()))
+    exe = f._last
     sizes = [len(item) for kind, item in exe._schedule if kind == "kernels"]
     assert sizes == DECISIONS[machine], exe._schedule
 
@@ -105,7 +105,7 @@ def test_run_many_matches_separate_runs():
     g = _branches(rows=37, cols=64)
     f = ap.jit(g, options=ap.Options(target="cpu", num_threads=1))
     f.run(**_feeds(37, 64))
-    exe = next(reversed(f._cache.values()))
+    exe = f._last
     kernels = [item for kind, item in exe._schedule if kind == "kernels"][0]
     feeds = _feeds(37, 64, seed=3)
     with ThreadPool(3, chunks_per_thread=2) as pool:

@@ -86,6 +86,10 @@ def test_forced_generated_odd_shapes(xs, ys):
 def test_forced_blas():
     f = ap.jit(_mm_bias_relu((512, 512), (512, 512), (512,)), target="cpu", options=ap.Options(gemm="blas"))
     assert "Options.gemm='blas'" in str(f.plan)
+    rng = np.random.default_rng(7)
+    x, w, bias = _rand(rng, 512, 512), _rand(rng, 512, 512), _rand(rng, 512)
+    want = np.maximum(np.matmul(x.astype(np.float64), w) + bias, 0)
+    np.testing.assert_allclose(f(x, w, bias), want, rtol=RTOL, atol=ATOL)
 
 
 def _conv_graph(xs, ws, strides, pads, dil, group):
@@ -120,6 +124,13 @@ def test_conv1d_falls_back_with_reason():
     f = ap.jit(b.build([b.op("conv", x, w, strides=(1,), pads=(2, 2), dilations=(1,), group=1)[0]]),
                target="cpu")
     assert "1-d conv" in str(f.plan)
+    from apollo_py.ops.structural import conv_reference
+    rng = np.random.default_rng(8)
+    xv, wv = _rand(rng, 2, 3, 20), _rand(rng, 4, 3, 5)
+    want = conv_reference(xv.astype(np.float64), wv.astype(np.float64), (1,), (2, 2), (1,), 1)
+    got = f(xv, wv)
+    assert got.shape == want.shape == (2, 4, 20)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
 def test_conv_bn_leakyrelu_residual_matches_onnxruntime():

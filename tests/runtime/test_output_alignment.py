@@ -40,3 +40,34 @@ def test_outputs_aligned_and_recycled_unless_a_view_is_held():
     assert not np.shares_memory(view, third)
     np.testing.assert_array_equal(view, kept)
     assert third.ctypes.data % ALIGN == 0
+
+
+def _holders():
+    """Ways a caller keeps an output's memory without keeping the array variable: each holds a
+    Python reference (directly or through its base), which the recycler's count sees."""
+    import ctypes
+    return {
+        "memoryview": memoryview,
+        "dlpack": np.from_dlpack,
+        "frombuffer": lambda a: np.frombuffer(a, dtype=np.uint8),
+        "ctypes_pointer": lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+        "array_interface_object": lambda a: np.asarray(type("H", (), {"__array_interface__": a.__array_interface__,
+                                                                       "keep": a})()),
+    }
+
+
+def test_output_held_through_buffer_dlpack_or_ctypes_is_not_recycled():
+    import ctypes
+    f = _softmax_fn()
+    xv = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+    for name, hold in _holders().items():
+        first = f(xv)
+        want = first.copy()
+        addr = first.ctypes.data
+        holder = hold(first)
+        del first
+        second = f(xv * 2.0)
+        assert second.ctypes.data != addr, name
+        read = np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(ctypes.c_float)), (64, 128))
+        np.testing.assert_array_equal(read, want, err_msg=name)
+        del holder, second
