@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup bench clean fuzz
+.PHONY: demo test setup bench zoo clean fuzz
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,18 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+# The model zoo (benchmarks/zoo): export the full-size models once (~/.cache/apollo_py_zoo, or
+# $APOLLO_PY_ZOO_DIR; needs the zoo extra: torch, torchvision, timm, transformers, onnxscript),
+# then the table (benchmarks/zoo.py; ZOO_ARGS="--only gpt2 --limit 120 --write-results" etc.).
+zoo: $(STAMP)
+	$(BIN)/python -c "import torch, torchvision, timm, transformers, onnxscript" 2>/dev/null \
+		|| $(BIN)/python -m pip install --quiet -e '.[dev,zoo]'
+	# trained PP-OCR models (paddle2onnx exports) ship in this wheel; only its .onnx files are used
+	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('rapidocr_onnxruntime') is None)" \
+		|| $(BIN)/python -m pip install --quiet --no-deps 'rapidocr-onnxruntime==1.4.4'
+	$(BIN)/python benchmarks/zoo/export.py --size full
+	$(BIN)/python benchmarks/zoo.py $(ZOO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,10 +1,12 @@
 """apollo_py: a just-in-time fusion compiler for deep-learning graphs (after APOLLO, MLSys 2022).
 
-Public API: :func:`jit`, :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the
-error classes.  Heavy modules (onnx, islpy, llvmlite, pycuda) load on first use.
+Public API: :func:`jit` (ONNX models, Graphs, and numpy-style Python functions), :func:`grad` /
+:func:`value_and_grad`, :func:`export`, :func:`cond` / :func:`fori_loop`, ``nn``,
+:class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the error classes.  Heavy modules
+(onnx, islpy, llvmlite, pycuda) load on first use.
 """
-from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError, ResourceError,
-                     RuleError, ShapeError, UnsupportedOpError)
+from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
+                     ResourceError, RuleError, ShapeError, TraceError, UnsupportedOpError)
 from .machine import Machine
 from .options import Options
 from .ir import Graph, GraphBuilder, TensorType
@@ -14,9 +16,14 @@ from .api import CompiledGraph, explain, jit
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
-           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError", "TensorType",
-           "UnsupportedOpError", "explain", "jit", "__version__"]
+           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError",
+           "TensorType", "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 
-from .train import grad, optim, train_step  # noqa: E402  (training API, DESIGN §12)
+from .train import optim, train_step  # noqa: E402  (training API, DESIGN §12)
+from .train.transforms import grad, value_and_grad  # noqa: E402
+from .frontend.trace_control import cond, fori_loop, stop_gradient, where  # noqa: E402
+from .frontend.jit import export  # noqa: E402
+from . import nn  # noqa: E402
 
-__all__ += ["grad", "optim", "train_step"]
+__all__ += ["cond", "export", "fori_loop", "grad", "nn", "optim", "stop_gradient", "train_step",
+            "value_and_grad", "where"]

@@ -16,14 +16,16 @@ from .options import Options
 MAX_SPECIALIZATIONS = 32
 
 
-def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None) -> Program:
-    """Turn a model (ONNX path/bytes/ModelProto, Graph, or Program) into a Program."""
+def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None,
+                 options: Options | None = None) -> Program:
+    """Turn a model (ONNX path/bytes/ModelProto, Graph, or Program) into a Program
+    (``options.cache_dir`` remembers which model files passed the ONNX checker)."""
     if isinstance(model, Program):
         return model
     if isinstance(model, Graph):
         return GraphProgram(model)
     from .frontend.onnx import load_onnx
-    return load_onnx(model)
+    return load_onnx(model, options.cache_dir if options is not None else None)
 
 
 class CompiledGraph:
@@ -49,6 +51,7 @@ class CompiledGraph:
         # ever new shapes must not keep every specialisation's code and arenas alive)
         self._cache: LRUCache = LRUCache(MAX_SPECIALIZATIONS)
         self._last = None                   # the most recently compiled specialisation
+        self._last_key = None               # and its shape key
         self._lock = threading.Lock()       # guards _cache, _last and _compiling
         self._compiling: dict[tuple, threading.Lock] = {}   # shape key -> lock held while compiling
 
@@ -118,7 +121,7 @@ class CompiledGraph:
                     exe = compile_program(self.program, dict(zip(self.input_names, key)), self.options)
                     with self._lock:
                         self._cache[key] = exe
-                        self._last = exe
+                        self._last, self._last_key = exe, key
                 finally:
                     with self._lock:
                         self._compiling.pop(key, None)
@@ -136,9 +139,25 @@ class CompiledGraph:
             shape = self._pinned.get(s.name) or s.dims
             if not all(isinstance(d, int) for d in shape):
                 raise InputError(f"input {s.name!r} has symbolic shape {s.describe()}: call the model "
-                                 "once or pass input_shapes= to see a plan")
+                                 "once or pass input_shapes= (on the command line: --shape "
+                                 f"{s.name}=D0,D1,...) to see a plan")
             shapes[s.name] = tuple(shape)
         return self.specialization(shapes).plan
+
+    def to_onnx(self, *example_args, **example_kwargs):
+        """The primitive graph as a standard ONNX model (:func:`apollo_py.export`), for the
+        shapes of the example inputs, else of the latest call, else the pinned/static shapes."""
+        from .frontend.export import to_onnx
+        if example_args or example_kwargs:
+            shapes = {k: v.shape for k, v in self._bind(example_args, example_kwargs).items()}
+        elif self._last_key is not None:
+            shapes = dict(zip(self.input_names, self._last_key))
+        else:
+            shapes = {s.name: tuple(self._pinned.get(s.name) or s.dims) for s in self.program.inputs}
+            bad = [k for k, v in shapes.items() if not all(isinstance(d, int) for d in v)]
+            if bad:
+                raise InputError(f"to_onnx: inputs {bad} have symbolic shapes; pass example inputs")
+        return to_onnx(self.program.specialize(shapes), name=self.program.name)
 
     def __call__(self, *args, out=None, **kwargs):
         outs = self.run(*args, out=out, **kwargs)
@@ -249,17 +268,31 @@ class CompiledGraph:
 
 
 def jit(model: Any = None, *, target: str | None = None, options: Options | None = None,
-        input_shapes: Mapping[str, tuple] | None = None):
-    """Compile ``model`` (ONNX path/bytes/ModelProto, a Graph) for ``target``.
-
-    Returns a :class:`CompiledGraph`.  ``input_shapes`` pins the shapes of symbolic inputs.
+        input_shapes: Mapping[str, tuple] | None = None, static_argnames=(), static_argnums=()):
+    """Compile ``model`` for ``target``: an ONNX path/bytes/ModelProto or a Graph gives a
+    :class:`CompiledGraph` (``input_shapes`` pins the shapes of symbolic inputs); a Python
+    function gives a :class:`~apollo_py.frontend.jit.JittedFunction` that traces it with numpy
+    semantics once per signature (``static_argnames`` / ``static_argnums``: arguments that are
+    settings, part of the signature, not arrays).  Usable as ``@jit`` or ``@jit(...)``.
     """
     opts = options or Options()
     if target is not None:
         opts = opts.replace(target=target)
     if model is None:
-        return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes)
-    return CompiledGraph(load_program(model, input_shapes), opts, input_shapes)
+        return lambda m: jit(m, target=target, options=options, input_shapes=input_shapes,
+                             static_argnames=static_argnames, static_argnums=static_argnums)
+    if callable(model) and not isinstance(model, (Graph, Program)):
+        from .frontend.jit import JittedFunction
+        if input_shapes:
+            raise InputError("jit: input_shapes applies to models; a traced function is "
+                             "specialised on the shapes it is called with")
+        if isinstance(static_argnames, str):
+            static_argnames = (static_argnames,)
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        return JittedFunction(model, opts, static_argnames, static_argnums,
+                              make_compiled=lambda g, o: CompiledGraph(GraphProgram(g), o))
+    return CompiledGraph(load_program(model, input_shapes, opts), opts, input_shapes)
 
 
 def explain(model: Any, options: Options | None = None, input_shapes: Any = None):

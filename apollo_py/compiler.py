@@ -11,7 +11,7 @@ from .ir.graph import Graph
 from .options import Options
 from .plan import Plan
 
-TARGETS = ("reference", "cpu")
+TARGETS = ("reference", "cpu", "cuda", "cuda-emu")
 
 
 def compile_graph(graph: Graph, options: Options):
@@ -22,14 +22,28 @@ def compile_graph(graph: Graph, options: Options):
         raise CompileError(f"target {options.target!r} is not available (available: {', '.join(TARGETS)})")
     from .progress import Progress
     progress = Progress(graph.name, options.progress)
+    progress.stage("preprocess")
     graph = preprocess(graph, options)
+    progress.stage("partition")
     micro_graphs = partition(graph, options)
     if options.target == "reference":
         from .partition.execute import MicroGraphExecutable
-        return MicroGraphExecutable(graph, Plan(graph=graph, micro_graphs=micro_graphs))
+        progress.done()
+        return MicroGraphExecutable(graph, Plan(graph=graph, micro_graphs=micro_graphs,
+                                                timings=tuple(progress.timings)))
 
-    from .layers.blas_fold import fold_blas
     from .layers.lowering import lower_micro_graphs
+    if options.target in ("cuda", "cuda-emu"):     # runtime/cuda.py: pycuda, or its CPU emulation
+        from .runtime.cuda import build_cuda_executable, cuda_note, cuda_steps
+        progress.stage("layer 1 fusion", len(micro_graphs))
+        specs = lower_micro_graphs(graph, micro_graphs, options, progress)
+        progress.stage("CUDA codegen (NVRTC)")
+        steps = cuda_steps(graph, specs, options)
+        progress.done()
+        plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(steps), timings=tuple(progress.timings),
+                    notes=(cuda_note(steps, options),))
+        return build_cuda_executable(graph, steps, plan, options)
+    from .layers.blas_fold import fold_blas
     from .runtime.blas import BlasStep, cblas
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
 
@@ -40,11 +54,12 @@ def compile_graph(graph: Graph, options: Options):
     progress.stage("LLVM codegen", len(fused))
     compiled = iter(compile_kernels(fused, options.cache_dir, progress))
     from .runtime.gemm_step import GemmStep
+    progress.stage("GEMM codegen", sum(1 for s in specs if s.gemm is not None))
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
              else BlasStep(s.blas, s.reason) if s.blas is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
-    plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs))
     progress.done()
+    plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs), timings=tuple(progress.timings))
     from .machine import resolve_machine
     return CpuExecutable(graph, steps, plan, options.num_threads, resolve_machine(options), options)

@@ -54,3 +54,13 @@ class ResourceError(ApolloError):
 
 class OptionsError(ApolloError):
     """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
+
+
+class TraceError(ApolloError):
+    """A traced Python function did something tracing cannot record: a Python branch on a
+    traced value, an in-place update, a tracer used outside its trace (the message names the
+    file and line of the user's code and what to write instead)."""
+
+
+class CudaUnavailableError(ApolloError):
+    """target="cuda" was asked for but pycuda, cuBLAS or a CUDA driver / GPU is missing."""

@@ -18,8 +18,8 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "apollo_py")
 
 
-#: valid ``Options.target`` values ("cuda": the CUDA back end, where it is built in)
-TARGETS = ("cpu", "reference", "cuda")
+#: valid ``Options.target`` values ("cuda": the CUDA back end; "cuda-emu": its CPU emulation)
+TARGETS = ("cpu", "reference", "cuda", "cuda-emu")
 #: valid ``Options.gemm`` values
 GEMM_CHOICES = ("auto", "generated", "blas")
 
@@ -54,8 +54,9 @@ def _is_real(v) -> bool:
 class Options:
     """What the compiler may do and where it keeps its files.
 
-    ``target``: "cpu" (LLVM kernels, the default) or "reference" (numpy oracle, micro-graph by
-    micro-graph).
+    ``target``: "cpu" (LLVM kernels, the default), "reference" (numpy oracle, micro-graph by
+    micro-graph), "cuda" (CUDA kernels through pycuda) or "cuda-emu" (the same CUDA source run
+    on the CPU by an emulation build, for tests).
     ``rules_overlay``: path of a user TOML overlay for the partition rule table.
     ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).
     ``schedule_timeout``: seconds of wall time one isl scheduler call may take (it runs in a

@@ -126,6 +126,7 @@ class Plan:
     micro_graphs: tuple = ()
     kernels: tuple = ()
     notes: tuple[str, ...] = field(default=())
+    timings: tuple = ()     # (compile stage, seconds) in order: where the compile's time went
 
     @property
     def coverage(self) -> Coverage:
@@ -141,7 +142,8 @@ class Plan:
         doc = {"graph": self.graph.name, "primitives": self.primitives,
                "micro_graphs": [m.to_dict() for m in self.micro_graphs],
                "kernels": [k.to_dict() for k in self.kernels], "notes": list(self.notes),
-               "coverage": self.coverage.to_dict()}
+               "coverage": self.coverage.to_dict(),
+               "timings": {name: round(t, 4) for name, t in self.timings}}
         return json.dumps(doc, indent=1)
 
     def micro_graph_table(self) -> str:
@@ -183,6 +185,8 @@ class Plan:
                 lines.append(f"{fallback_text(n)}; its subgraphs:")
                 lines.extend(body_lines(bodies))
         lines.append(str(self.coverage))
+        if self.timings:
+            lines.append("compile time: " + ", ".join(f"{name} {t:.2f} s" for name, t in self.timings))
         lines.extend(f"note: {s}" for s in self.notes)
         return "\n".join(lines)
 

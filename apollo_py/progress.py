@@ -31,10 +31,19 @@ class Progress:
         self.t0 = time.perf_counter()
         self._bar = None
         self.stage_name, self.total, self.count = "", 0, 0
+        self._stage_t0 = self.t0
+        self.timings: list[tuple[str, float]] = []    # (stage, seconds) of every finished stage
 
-    def stage(self, name: str, total: int) -> None:
-        """Start stage ``name`` with ``total`` work items."""
+    def _finish_stage(self) -> None:
+        now = time.perf_counter()
+        if self.stage_name:
+            self.timings.append((self.stage_name, now - self._stage_t0))
+        self._stage_t0 = now
+
+    def stage(self, name: str, total: int = 0) -> None:
+        """Start stage ``name`` with ``total`` work items (the previous stage ends here)."""
         self._close()
+        self._finish_stage()
         self.stage_name, self.total, self.count = name, total, 0
         if not self.enabled:
             return
@@ -57,12 +66,16 @@ class Progress:
                 self._bar, self.enabled = None, False
 
     def done(self) -> None:
-        """Final line with the total time (only if the compile ran long enough to show bars)."""
+        """Final line with the total time and each stage's share (only if the compile ran long
+        enough to show bars)."""
         self._close()
+        self._finish_stage()
+        self.stage_name = ""
         elapsed = time.perf_counter() - self.t0
         if self.enabled and elapsed >= self.after_s:
+            parts = ", ".join(f"{name} {t:.1f} s" for name, t in self.timings)
             try:
-                self.stream.write(f"apollo_py: compiled {self.what} in {elapsed:.1f} s\n")
+                self.stream.write(f"apollo_py: compiled {self.what} in {elapsed:.1f} s ({parts})\n")
                 self.stream.flush()
             except (OSError, ValueError):
                 self.enabled = False

@@ -44,30 +44,42 @@ class ConstArray:
             arr = arr.astype(dtype_name(arr.dtype))
         arr.setflags(write=False)
         self.array = arr
-        h = hashlib.sha256()
-        h.update(f"{arr.dtype.name}{arr.shape}".encode())
-        h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data if arr.size else b"")
-        self._key = h.hexdigest()[:32]
+        self._key = None
 
     @property
     def key(self) -> str:
+        """sha256 of dtype, shape and content (computed on first use: a compile that never
+        compares a model's large weights need not hash them)."""
+        if self._key is None:
+            arr = self.array
+            h = hashlib.sha256()
+            h.update(f"{arr.dtype.name}{arr.shape}".encode())
+            h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data if arr.size else b"")
+            self._key = h.hexdigest()[:32]
         return self._key
 
     @property
     def type(self) -> TensorType:
         return TensorType(self.array.shape, self.array.dtype.name)
 
+    def _quick(self) -> tuple:
+        """dtype, shape and the first and last 256 bytes: what hashing needs to tell a model's
+        weight matrices apart without reading them whole (equality still compares ``key``)."""
+        flat = np.ascontiguousarray(self.array).reshape(-1).view(np.uint8)
+        return (self.array.dtype.name, self.array.shape, flat[:256].tobytes(), flat[-256:].tobytes())
+
     def __hash__(self):
-        return hash(self._key)
+        return hash(self._quick())
 
     def __eq__(self, other):
-        return isinstance(other, ConstArray) and other._key == self._key
+        return isinstance(other, ConstArray) and (other is self or (
+            other.array.shape == self.array.shape and other._quick() == self._quick() and other.key == self.key))
 
     def __repr__(self):
         a = self.array
         if a.size <= 8:
             return f"const({a.tolist()!r}, {a.dtype.name})"
-        return f"const({a.dtype.name}{list(a.shape)}#{self._key[:8]})"
+        return f"const({a.dtype.name}{list(a.shape)}#{self.key[:8]})"
 
 
 def _freeze(value: Any) -> Any:

@@ -66,7 +66,8 @@ def _source_digest() -> str:
             if name.endswith(".py"):
                 with open(os.path.join(d, name), "rb") as f:
                     h.update(f.read())
-    for rel in ("codegen/loopir.py", "layers/layer1.py", "layers/fuse_store.py", "layers/fuse_memo.py"):
+    for rel in ("codegen/loopir.py", "layers/layer1.py", "layers/expand.py", "layers/fuse_store.py",
+                "layers/fuse_memo.py"):
         with open(os.path.join(here, rel), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

@@ -30,6 +30,7 @@ from ..poly.reduce_forms import ReduceForm, micro_graph_reduce_form
 from ..poly.schedule import BudgetExceeded, NotOneGroup, schedule_program, tile_outer_band
 from ..poly.statements import build_program, compute_dependences
 from ..poly.storage import StorageError, plan_storage
+from .expand import expand_lower_rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,23 +185,41 @@ def fuse_micro_graph(micro, types: Mapping[str, TensorType] | None = None,
     return out
 
 
+def _schedule_and_lower(nodes, types, inputs, outputs, options, consts, kname, budget_ops, seconds,
+                        use_isl=True):
+    """(FusedSchedule, loop-IR kernel, params, tiles) of ``nodes`` as one loop nest."""
+    prog = build_program(nodes, types, inputs, outputs, isl.Context())   # one context per job
+    fs, deps = schedule_program(prog, compute_dependences, budget_ops, seconds, use_isl=use_isl)
+    tiles = tuple(options.tile_sizes or ())[:fs.band]
+    sched = tile_outer_band(fs.schedule, fs.band, tiles)
+    storage = plan_storage(prog, sched)
+    params = [v for v in list(inputs) + list(outputs) if v not in consts]
+    loop = to_loop_ir(prog, sched, storage, kname, parallel=fs.band > 0, consts=consts, param_order=params)
+    return fs, loop, params, tiles
+
+
 def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget=None):
     t0 = time.perf_counter()
     sig = signature_of(nodes, types)
     budget_ops = options.schedule_budget if budget is None else budget
-    ctx = isl.Context()              # one context per compile job: never shared across threads
+    seconds = options.schedule_timeout if budget is None else None
     reason = None
+    kname = f"{base}_{len(out)}"
     try:
-        prog = build_program(nodes, types, inputs, outputs, ctx)
-        fs, deps = schedule_program(prog, compute_dependences, budget_ops,
-                                    options.schedule_timeout if budget is None else None)
-        tiles = tuple(options.tile_sizes or ())[:fs.band]
-        sched = tile_outer_band(fs.schedule, fs.band, tiles)
-        storage = plan_storage(prog, sched)
-        kname = f"{base}_{len(out)}"
-        params = [v for v in list(inputs) + list(outputs) if v not in consts]
-        loop = to_loop_ir(prog, sched, storage, kname, parallel=fs.band > 0, consts=consts,
-                          param_order=params)
+        expanded = expand_lower_rank(nodes, types, outputs) if len(nodes) > 1 else None
+        strategy = ""
+        if expanded is None:
+            fs, loop, params, tiles = _schedule_and_lower(nodes, types, inputs, outputs, options, consts,
+                                                          kname, budget_ops, seconds)
+        else:
+            try:        # as written, without isl's scheduler
+                fs, loop, params, tiles = _schedule_and_lower(nodes, types, inputs, outputs, options, consts,
+                                                              kname, budget_ops, seconds, use_isl=False)
+            except NotOneGroup:     # lower-rank values recomputed at their consumers' shape
+                xnodes, xtypes = expanded
+                fs, loop, params, tiles = _schedule_and_lower(xnodes, xtypes, inputs, outputs, options, consts,
+                                                              kname, budget_ops, seconds)
+                strategy = f"{fs.strategy}+recompute"
     except BudgetExceeded as e:
         ms = (time.perf_counter() - t0) * 1e3
         log_refusal(options, "schedule_budget_exceeded", sig, types, list(inputs) + list(outputs), ms,
@@ -232,6 +251,6 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
         loop=loop, nodes=tuple(nodes), inputs=tuple(inputs), outputs=tuple(outputs),
         param_values=tuple(params), signature=sig, parallel_dims=fs.band,
         band_extents=tuple(fs.band_extents), tile_sizes=tuple(tiles), flops=flops, bytes=nbytes,
-        reduce_form=micro_graph_reduce_form(nodes, types), strategy=fs.strategy,
+        reduce_form=micro_graph_reduce_form(nodes, types), strategy=strategy or fs.strategy,
         schedule_ms=fs.time_ms, total_ms=(time.perf_counter() - t0) * 1e3, micro_graphs=mgs,
         consts=dict(consts)))

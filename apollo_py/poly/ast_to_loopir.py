@@ -405,7 +405,7 @@ def subst(node, name: str, rep: L.Expr):
     if isinstance(node, L.Select):
         return L.Select(subst(node.cond, name, rep), subst(node.a, name, rep), subst(node.b, name, rep))
     if isinstance(node, L.Cast):
-        return L.Cast(node.dtype_, subst(node.a, name, rep))
+        return L.Cast(node.dtype, subst(node.a, name, rep))
     if isinstance(node, L.Load):
         return L.Load(node.buf, subst(node.index, name, rep))
     if isinstance(node, L.Store):

@@ -449,14 +449,14 @@ def bounded_isl_schedule(prog: PolyProgram, deps: Dependences, budget_ops: int,
     return sched, got[0], got[1]
 
 
-def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int,
-                     seconds: float | None = None) -> tuple[FusedSchedule, Dependences]:
+def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int, seconds: float | None = None,
+                     use_isl: bool = True) -> tuple[FusedSchedule, Dependences]:
     """Dependences + one-group schedule of ``prog``, each step within ``budget_ops`` isl
     operations (the counter is reset before each step, as for each isl call in DESIGN §5),
     the isl scheduler also within ``seconds`` of wall time.
 
-    ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then the isl
-    scheduler.  Raises BudgetExceeded or NotOneGroup.
+    ``deps_fn(prog)`` computes the dependences.  Tries the direct construction, then (unless
+    ``use_isl`` is False) the isl scheduler.  Raises BudgetExceeded or NotOneGroup.
     """
     t0 = time.perf_counter()
     with budget(prog.ctx, budget_ops):
@@ -466,6 +466,8 @@ def schedule_program(prog: PolyProgram, deps_fn, budget_ops: int,
             sched, nb, ext = build_fused_schedule(prog, deps)
         strategy = "direct"
     except NotOneGroup:
+        if not use_isl:
+            raise
         sched, nb, ext = bounded_isl_schedule(prog, deps, budget_ops, seconds)
         strategy = "isl"
     return FusedSchedule(sched, nb, ext, strategy, (time.perf_counter() - t0) * 1e3), deps

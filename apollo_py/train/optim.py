@@ -57,6 +57,12 @@ class Optimizer:
         :meth:`step_scalars` (shape (1,), broadcast against ``p``)."""
         raise NotImplementedError
 
+    def apply(self, params, grads, options=None) -> None:
+        """Update the float numpy arrays of pytree ``params`` in place from ``grads`` (one
+        compiled step; the step count and state live on this instance): see :mod:`.apply`."""
+        from .apply import apply
+        apply(self, params, grads, options)
+
     def _check(self):
         if self.lr < 0:
             raise InputError(f"{type(self).__name__}: learning rate must be >= 0, got {self.lr}")

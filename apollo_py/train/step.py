@@ -35,28 +35,8 @@ from .losses import LOSSES
 from .optim import SGD, Optimizer
 
 LABELS = "labels"
-SCALAR_PREFIX = "optim."
-
-
-def scalar_inputs(optimizer: Optimizer, dtypes, t: int = 1) -> dict[str, np.ndarray]:
-    """Input name -> (1,) array of every per-step scalar of ``optimizer`` at step ``t``, for
-    parameters of the given dtypes (a float scalar once per dtype, a bool once)."""
-    out = {}
-    for k, v in optimizer.step_scalars(t).items():
-        if isinstance(v, (bool, np.bool_)):
-            out[f"{SCALAR_PREFIX}{k}"] = np.array([v], np.bool_)
-        else:
-            for dt in sorted(set(dtypes)):
-                out[f"{SCALAR_PREFIX}{k}.{dt}"] = np.array([v], np.float64).astype(dt)
-    return out
-
-
-def _scalar_values(optimizer: Optimizer, dtype: str, inputs: dict) -> dict:
-    vals = {}
-    for k, v in optimizer.step_scalars(1).items():
-        name = f"{SCALAR_PREFIX}{k}" if isinstance(v, (bool, np.bool_)) else f"{SCALAR_PREFIX}{k}.{dtype}"
-        vals[k] = inputs[name]
-    return vals
+# the optimizer's per-step scalar inputs (shared with optim.apply, train/apply.py)
+from .scalars import SCALAR_PREFIX, _scalar_values, scalar_inputs  # noqa: E402,F401
 
 
 def _load_proto(model):
@@ -267,13 +247,14 @@ class TrainStep:
 
 
 def train_step(model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
-               params: Sequence[str] | None = None, target: str | None = "reference",
+               params: Sequence[str] | None = None, target: str | None = None,
                options: Options | None = None) -> TrainStep:
     """Build a :class:`TrainStep` for ``model`` (ONNX path/bytes/ModelProto or a Graph).
 
     ``loss``: "cross_entropy" (logits (B, C), int labels (B,)) or "mse" (labels shaped like the
     output); the model's first output is the prediction.  ``optimizer`` defaults to
     ``SGD(lr=1e-3)``.  ``params`` names the trainable constants (default: see module docs).
+    ``target``: where the step runs; None = ``options.target`` (default "cpu", as for ``jit``).
     """
     if loss not in LOSSES:
         raise InputError(f"train_step: unknown loss {loss!r}; choose one of {sorted(LOSSES)}")

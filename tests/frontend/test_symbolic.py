@@ -99,3 +99,37 @@ def test_symbolic_plan_needs_a_shape():
     f = apollo_py.jit(make_layernorm_gelu(), target="reference")
     with pytest.raises(InputError, match="input_shapes"):
         f.plan
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu"])
+@pytest.mark.parametrize("dynamic,hw", [(-1, "unset"), (0, "unset"), (-1, "?")])
+def test_nonpositive_dim_value_is_symbolic(target, dynamic, hw):
+    # PaddlePaddle writes the batch as dim_value -1 (some exporters 0) and H, W unset or as the
+    # dim_param "?" (rapidocr's PP-OCR classifier: [-1, 3, ?, ?]).  All are symbolic and the two
+    # "?" are independent: not a fixed size -1, not one symbol that forces H == W.
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 3, 3, 3],
+                           rng.standard_normal(4 * 3 * 3 * 3).astype(np.float32).tolist())
+
+    def model(batch):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, None, None])
+        for d in (2, 3):
+            x.type.tensor_type.shape.dim[d].Clear()
+            if hw == "?":
+                x.type.tensor_type.shape.dim[d].dim_param = "?"
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+                 helper.make_node("Relu", ["c"], ["r"], name="relu"),
+                 helper.make_node("GlobalAveragePool", ["r"], ["y"], name="gap")]
+        g = helper.make_graph(nodes, "g", [x], [y], initializer=[w])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    f = apollo_py.jit(model(dynamic), target=target)
+    assert f.program.inputs[0].dims == (None, 3, None, None)
+    for shape in ((1, 3, 48, 192), (2, 3, 32, 64)):
+        a = rng.standard_normal(shape).astype(np.float32)
+        # onnxruntime reads dim_value 0 literally; its answer comes from the -1 spelling
+        want = _ort(model(-1), {"x": a})
+        got = f(a)
+        assert got.shape == want.shape == (shape[0], 4, 1, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -39,3 +39,18 @@ def test_long_compile_reports_stages(monkeypatch, capsys):
     assert any("compiling prog: layer 1 fusion" in ln for ln in err), err
     assert any("compiling prog: LLVM codegen" in ln for ln in err), err
     assert err[-1].startswith("apollo_py: compiled prog in ")
+
+
+def test_plan_records_where_the_compile_time_went():
+    import numpy as np
+    import apollo_py as ap
+    b = ap.GraphBuilder("t")
+    x = b.input("x", (8, 32))
+    g = b.build([b.exp(x) / b.reduce_sum(b.exp(x), axes=(1,), keepdims=True)])
+    for target, stages in (("cpu", ["preprocess", "partition", "layer 1 fusion", "LLVM codegen", "GEMM codegen"]),
+                           ("reference", ["preprocess", "partition"])):
+        f = ap.jit(g, target=target)
+        f(np.ones((8, 32), np.float32))
+        assert [s for s, _ in f.plan.timings] == stages
+        assert all(t >= 0 for _, t in f.plan.timings)
+        assert "compile time: preprocess" in str(f.plan)

@@ -1,0 +1,360 @@
+"""The model zoo table: compile time, speed and agreement with onnxruntime per exported model.
+
+    python benchmarks/zoo.py [--dir DIR] [--only SUBSTR ...] [--limit 300] [--rounds 5]
+                             [--threads 2] [--json PATH] [--write-results]
+
+Models are the files listed in ``DIR/manifest.json`` (benchmarks/zoo/export.py writes them;
+default ``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apollo_py_zoo``; ``--dir tests/models/zoo`` for the
+small configurations).  Per model, three new processes:
+
+1. **cold**: an empty cache directory (``Options(cache_dir=...)``), ``apollo_py.jit`` + first
+   call, timed in the process; killed after ``--limit`` seconds ("timeout"), with the Python
+   stack of every thread dumped a few seconds before (faulthandler) and the last progress line,
+   so a hang names the pass it is in.
+2. **warm**: the same cache directory, ``jit`` + first call again, then the run-time contenders
+   in the same process: apollo_py (``Options(num_threads=N)``), onnxruntime with all graph
+   optimisations and with none (``intra_op_num_threads=N``, no spinning), interleaved in blocks
+   of calls after a warm-up, median of ``--rounds`` rounds (benchmarks/run.py's method).  Also
+   the step and generated-kernel counts of ``f.plan``, fallback ops (``plan.coverage``), and
+   max|Δ|/max|ref| of apollo_py against onnxruntime-all and of onnxruntime-none against
+   onnxruntime-all (its own disagreement, the tolerance's yardstick).
+
+Timings on a shared machine are only indicative; the table says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# --------------------------------------------------------------------------------------------
+# worker side (runs in a new process)
+
+
+def _inputs(rec: dict, seed: int = 7) -> dict:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for inp in rec["inputs"]:
+        shape = tuple(inp["shape"])
+        if "high" in inp:
+            feeds[inp["name"]] = rng.integers(0, inp["high"], shape).astype(inp["dtype"])
+        else:
+            feeds[inp["name"]] = rng.standard_normal(shape).astype(inp["dtype"])
+    return feeds
+
+
+def _rel_err(got, want) -> float:
+    import numpy as np
+    got = list(got) if isinstance(got, (tuple, list)) else [got]
+    worst = 0.0
+    for g, w in zip(got, want):
+        g = np.asarray(g)
+        if g.shape != w.shape:
+            return float("inf")
+        if w.size:
+            d = float(np.max(np.abs(g.astype(np.float64) - w)))
+            worst = max(worst, d / max(float(np.max(np.abs(w))), 1e-30))
+    return worst
+
+
+def _ort(path: str, level, threads: int):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def _time_interleaved(fns: dict, rounds: int, block_s: float = 0.05) -> dict:
+    """Median over rounds of the mean ms per call; each round runs every contender for a block of
+    calls lasting ~block_s, round-robin, after a warm-up block."""
+    reps = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        one = max(time.perf_counter() - t0, 1e-6)
+        reps[name] = max(1, min(1000, int(block_s / one)))
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n = reps[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _trace_fusion(log: list) -> None:
+    """Wrap layer 1's per-micro-graph fusion step so that each call writes its ops and shapes to
+    stderr when it starts ("zoo-fuse-start") and its time when it ends: after a timeout the last
+    start without an end names the micro-graph that hung; ``log`` collects (ms, description).
+    Diagnostic only; a no-op where the module layout differs."""
+    try:
+        from apollo_py.layers import layer1
+    except ImportError:
+        return
+    inner = getattr(layer1, "_fuse", None)
+    if inner is None or getattr(inner, "_zoo_traced", False):
+        return
+
+    def describe(nodes, types):
+        ops = " ".join(n.op for n in nodes)
+        outs = []
+        for n in nodes[-1:]:
+            t = types.get(n.outputs[0]) if n.outputs else None
+            outs.append(str(list(t.shape)) if t is not None else "?")
+        ins = sorted({str(list(types[v].shape)) for n in nodes for v in n.inputs if v in types})
+        return f"{len(nodes)} nodes: {ops} | in shapes {' '.join(ins)} -> {' '.join(outs)}"
+
+    def traced(nodes, types, *a, **kw):
+        d = describe(nodes, types)
+        print(f"zoo-fuse-start {d}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            return inner(nodes, types, *a, **kw)
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            print(f"zoo-fuse-end {ms:.0f} ms", file=sys.stderr, flush=True)
+            log.append((ms, d))
+    traced._zoo_traced = True
+    layer1._fuse = traced
+
+
+def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump_after: float) -> dict:
+    import faulthandler
+    if dump_after > 0:  # a hang leaves the stacks on stderr before the parent kills us
+        faulthandler.dump_traceback_later(dump_after, exit=False)
+    rec = json.loads((Path(path).parent / "manifest.json").read_text())[Path(path).name]
+    feeds = _inputs(rec)
+    t_import = time.perf_counter()
+    import apollo_py
+    from apollo_py import Options
+    fuse_log: list = []
+    if mode == "cold":
+        _trace_fusion(fuse_log)
+    t0 = time.perf_counter()
+    f = apollo_py.jit(path, options=Options(cache_dir=cache_dir, num_threads=threads,
+                                            progress=True))
+    t_jit = time.perf_counter()
+    out = f(**feeds)
+    t1 = time.perf_counter()
+    res = {"compile_s": t1 - t0, "jit_s": t_jit - t0, "first_call_s": t1 - t_jit,
+           "import_s": t0 - t_import}
+    faulthandler.cancel_dump_traceback_later()
+    if mode == "cold":
+        res["fuse_calls"] = len(fuse_log)
+        res["fuse_s"] = sum(ms for ms, _ in fuse_log) / 1e3  # nested (split) calls count twice
+        res["slowest_fuse"] = [f"{ms:.0f} ms: {d}" for ms, d in sorted(fuse_log, reverse=True)[:3]]
+        return res
+    import onnxruntime as ort
+    lv = ort.GraphOptimizationLevel
+    s_all, s_none = _ort(path, lv.ORT_ENABLE_ALL, threads), _ort(path, lv.ORT_DISABLE_ALL, threads)
+    want = s_all.run(None, feeds)
+    res["rel_err"] = _rel_err(out, want)
+    res["ort_none_vs_all"] = _rel_err(s_none.run(None, feeds), want)
+    plan = f.plan
+    kernels = getattr(plan, "kernels", ()) or ()
+    res["steps"] = len(kernels)
+    res["kernels"] = sum(1 for k in kernels if getattr(k, "fused", None) is not None
+                         or getattr(k, "gemm", None) is not None)
+    cov = plan.coverage
+    res["fallback"] = cov.fallback_count
+    res["fallback_ops"] = sorted({t for _, t, _ in cov.fallback})
+    ms = _time_interleaved({"apollo": lambda: f(**feeds), "ort_all": lambda: s_all.run(None, feeds),
+                            "ort_none": lambda: s_none.run(None, feeds)}, rounds)
+    res.update({f"{k}_ms": v for k, v in ms.items()})
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# driver side
+
+
+def _run_worker(mode, path, cache_dir, args) -> dict:
+    limit = args.limit if mode == "cold" else args.limit + 120  # the warm one also times contenders
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, str(path), "--cache", cache_dir,
+           "--threads", str(args.threads), "--rounds", str(args.rounds), "--dump-after", str(max(limit - 10, 1))]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        lines = err.splitlines()
+        prog = [x for x in lines if x.startswith("apollo_py: compiling")]
+        # faulthandler prints the innermost frame first: keep the first thread's innermost frames
+        stack = []
+        for x in lines:
+            if x.startswith(("Thread ", "Current thread ")) and stack:
+                break
+            if x.strip().startswith("File "):
+                stack.append(x.strip())
+        open_fuse = []
+        for x in lines:  # the fusion calls still running when the stacks were dumped
+            if x.startswith("zoo-fuse-start "):
+                open_fuse.append(x[len("zoo-fuse-start "):])
+            elif x.startswith("zoo-fuse-end ") and open_fuse:
+                open_fuse.pop()
+        return {"error": "timeout", "limit_s": limit, "last_progress": prog[-1] if prog else None,
+                "stack": stack[:12], "hung_in_fuse": open_fuse[-1:]}
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        return {"error": tail[-1][:300] if tail else f"exit {proc.returncode}",
+                "traceback": "\n".join(tail[-14:]), "wall_s": wall}
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["wall_s"] = wall
+    prog = [x for x in proc.stderr.splitlines() if x.startswith(("apollo_py: compiling", "apollo_py: compiled"))]
+    if prog:
+        res["progress"] = _stage_times(prog)
+    return res
+
+
+def _stage_times(lines: list) -> dict:
+    """Seconds per stage from the progress lines ('apollo_py: compiling X: STAGE a/b, T s', then
+    'apollo_py: compiled X in T s'): from a stage's first line to the next stage's first line or
+    the final line.  Progress starts after 2 s, so stages that ended before then are missing and
+    the first stage listed also holds what came before it."""
+    first, end = {}, None
+    for x in lines:
+        if x.startswith("apollo_py: compiled "):
+            try:
+                end = float(x.rsplit(" in ", 1)[1].rstrip(" s"))
+            except (IndexError, ValueError):
+                pass
+            continue
+        body = x.split(": ", 2)[-1]
+        stage, _, t = body.rpartition(", ")
+        stage = stage.rsplit(" ", 1)[0]
+        try:
+            first.setdefault(stage, float(t.rstrip(" s")))
+        except ValueError:
+            continue
+    names = list(first)
+    ends = [first[n] for n in names[1:]] + [end]
+    return {n: (round(e - first[n], 2) if e is not None else None) for n, e in zip(names, ends)}
+
+
+def run_model(path: Path, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="apollo_zoo_cache_") as cache:
+        row = {"model": path.name, "loadavg_1m": os.getloadavg()[0],
+               "cold": _run_worker("cold", path, cache, args)}
+        if "error" in row["cold"]:
+            return row
+        row["warm"] = _run_worker("warm", path, cache, args)
+    return row
+
+
+def _fmt(v, spec=".2f"):
+    return "—" if v is None else format(v, spec)
+
+
+def table(rows: list) -> str:
+    head = ("| model | cold s | warm s | apollo ms | ort-all ms | ort-none ms | apollo/ort-all | steps "
+            "| kernels | fallback | rel err | ort none-vs-all | cold s by pass |")
+    out = [head, "|" + "|".join(["---"] * 13) + "|"]
+    for r in rows:
+        c, w = r["cold"], r.get("warm", {})
+        if "error" in c:
+            where = c.get("stack", [""])[0].replace('File "', "").split("apollo_py/")[-1].replace('", line', ":")
+            out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | | {where} |")
+            continue
+        passes = ", ".join(f"{k} {v}" for k, v in (c.get("progress") or {}).items())
+        if "error" in w:
+            out.append(f"| {r['model']} | {c['compile_s']:.1f} | **{w['error'][:80]}** | | | | | | | | | | {passes} |")
+            continue
+        ratio = w["apollo_ms"] / w["ort_all_ms"] if w.get("ort_all_ms") else None
+        fb = f"{w['fallback']} ({', '.join(w['fallback_ops'])})" if w["fallback"] else "0"
+        out.append(f"| {r['model']} | {c['compile_s']:.1f} | {w['compile_s']:.2f} | {w['apollo_ms']:.3f} "
+                   f"| {w['ort_all_ms']:.3f} | {w['ort_none_ms']:.3f} | {_fmt(ratio)} | {w['steps']} "
+                   f"| {w['kernels']} | {fb} | {w['rel_err']:.1e} | {w['ort_none_vs_all']:.1e} | {passes} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
+    ap.add_argument("--dump-after", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", type=Path, default=Path(os.environ.get(
+        "APOLLO_PY_ZOO_DIR", Path.home() / ".cache" / "apollo_py_zoo")))
+    ap.add_argument("--only", nargs="*", help="substrings of file names to run")
+    ap.add_argument("--limit", type=float, default=300, help="cold-compile wall-time limit per model (s)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--write-results", action="store_true", help="replace the zoo table in benchmarks/RESULTS.md")
+    ap.add_argument("--from-json", nargs="*", type=Path, help="print (and --write-results) the table of "
+                    "earlier --json runs instead of running")
+    args = ap.parse_args(argv)
+    if args.worker:
+        mode, path = args.worker
+        print(json.dumps(worker(mode, path, args.cache, args.threads, args.rounds, args.dump_after)))
+        return 0
+    if args.from_json:
+        rows = [r for p in args.from_json for r in json.loads(p.read_text())]
+        text = table(rows)
+        print(text)
+        if args.write_results:
+            _write_results(text, args, rows)
+        return 0
+    manifest = json.loads((args.dir / "manifest.json").read_text())
+    names = sorted(k for k, v in manifest.items() if "export_error" not in v and (args.dir / k).exists())
+    if args.only:
+        names = [n for n in names if any(s in n for s in args.only)]
+    rows = []
+    for name in names:
+        row = run_model(args.dir / name, args)
+        rows.append(row)
+        c, w = row["cold"], row.get("warm", {})
+        status = c.get("error") or w.get("error") or \
+            f"cold {c['compile_s']:.1f}s warm {w['compile_s']:.2f}s apollo {w['apollo_ms']:.3f}ms " \
+            f"ort {w['ort_all_ms']:.3f}ms err {w['rel_err']:.1e}"
+        print(f"{name:44s} {status}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    text = table(rows)
+    print(text)
+    if args.write_results:
+        _write_results(text, args, rows)
+    return 0
+
+
+def _load_note(rows) -> str:
+    loads = [r["loadavg_1m"] for r in rows if "loadavg_1m" in r]
+    return f" (1-minute load average {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} cores)" if loads else ""
+
+
+def _write_results(text: str, args, rows=()) -> None:
+    res = HERE / "RESULTS.md"
+    doc = res.read_text() if res.exists() else ""
+    start, end = "<!-- zoo table start -->", "<!-- zoo table end -->"
+    block = (f"{start}\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
+             f"{os.cpu_count()} cores, {args.threads} threads, files in `{args.dir}`, cold-compile limit "
+             f"{args.limit:.0f} s.  The machine was shared with other jobs{_load_note(rows)}: times are "
+             "indicative only.\n\n"
+             f"{text}\n\n{end}")
+    if start in doc and end in doc:
+        doc = doc[:doc.index(start)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip() + "\n\n## Model zoo (benchmarks/zoo.py)\n\n" + block + "\n"
+    res.write_text(doc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
