@@ -16,8 +16,8 @@ from .api import CompiledGraph, explain, jit
 __version__ = "0.1.0"
 
 __all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
-           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError", "TensorType",
-           "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
+           "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError",
+           "TensorType", "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 
 from .train import optim, train_step  # noqa: E402  (training API, DESIGN §12)
 from .train.transforms import grad, value_and_grad  # noqa: E402

@@ -51,6 +51,7 @@ class CompiledGraph:
         # ever new shapes must not keep every specialisation's code and arenas alive)
         self._cache: LRUCache = LRUCache(MAX_SPECIALIZATIONS)
         self._last = None                   # the most recently compiled specialisation
+        self._last_key = None               # and its shape key
         self._lock = threading.Lock()       # guards _cache, _last and _compiling
         self._compiling: dict[tuple, threading.Lock] = {}   # shape key -> lock held while compiling
 
@@ -120,7 +121,7 @@ class CompiledGraph:
                     exe = compile_program(self.program, dict(zip(self.input_names, key)), self.options)
                     with self._lock:
                         self._cache[key] = exe
-                        self._last = exe
+                        self._last, self._last_key = exe, key
                 finally:
                     with self._lock:
                         self._compiling.pop(key, None)
@@ -149,8 +150,8 @@ class CompiledGraph:
         from .frontend.export import to_onnx
         if example_args or example_kwargs:
             shapes = {k: v.shape for k, v in self._bind(example_args, example_kwargs).items()}
-        elif self._cache:
-            shapes = dict(zip(self.input_names, next(reversed(self._cache))))
+        elif self._last_key is not None:
+            shapes = dict(zip(self.input_names, self._last_key))
         else:
             shapes = {s.name: tuple(self._pinned.get(s.name) or s.dims) for s in self.program.inputs}
             bad = [k for k, v in shapes.items() if not all(isinstance(d, int) for d in v)]

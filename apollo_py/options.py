@@ -18,7 +18,7 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "apollo_py")
 
 
-#: valid ``Options.target`` values ("cuda": the CUDA back end, where it is built in)
+#: valid ``Options.target`` values ("cuda": the CUDA back end; "cuda-emu": its CPU emulation)
 TARGETS = ("cpu", "reference", "cuda", "cuda-emu")
 #: valid ``Options.gemm`` values
 GEMM_CHOICES = ("auto", "generated", "blas")

@@ -51,7 +51,7 @@ def test_options_fields_are_validated(field, value):
         ap.Options().replace(**{field: value})
 
 
-@pytest.mark.parametrize("target", ["cpu", "reference", "cuda"])
+@pytest.mark.parametrize("target", ["cpu", "reference", "cuda", "cuda-emu"])
 def test_options_accept_every_target(target):
     assert ap.Options(target=target).target == target
 
