@@ -1,5 +1,8 @@
 """Command-line interface: ``apollo-py explain|run|cache|feedback|machine``.
 
+``feedback apply`` writes the refusals of the log into the rule overlay
+``<cache-dir>/rules_overlay.toml`` (or ``--overlay``), which later compiles of this CLI read.
+
 Errors the user can cause (bad model, bad input) print one line ``error: ...`` and exit 2 —
 no traceback.
 """
@@ -75,9 +78,41 @@ def _cmd_cache(args, opts):
         print(json.dumps(cache.info(), indent=1))
 
 
+def default_overlay_path(opts) -> str:
+    """The overlay ``feedback apply`` writes and compiles read unless ``--rules-overlay`` says."""
+    import os
+    return opts.rules_overlay or os.path.join(opts.cache_dir, "rules_overlay.toml")
+
+
 def _cmd_feedback(args, opts):
-    from .feedback import report
-    print(report.render(opts, html=args.html))
+    from .feedback import overlay as fa
+    from .feedback import default_log_path, report
+    overlay = args.overlay or default_overlay_path(opts)
+    if args.action == "report":
+        if args.version is not None:
+            raise ApolloError("feedback report takes no VERSION")
+        print(report.render(opts, html=args.html))
+        return
+    if args.action == "revert":
+        if args.version is None:
+            raise ApolloError(f"feedback revert needs a VERSION; revisions of {overlay} are "
+                              f"{fa.revisions(overlay) or 'none'}")
+        print(fa.revert(overlay, args.version))
+        return
+    log = args.log or default_log_path(opts)
+    res = fa.apply(log, overlay, dry_run=args.dry_run)
+    if not res.added:
+        print(f"nothing to apply: every refused pattern in {log} is already in {overlay}")
+        return
+    print(res.diff, end="")
+    if args.dry_run:
+        print(f"dry run: {len(res.added)} entries would be added to {overlay}")
+        return
+    from .partition.rules import load_rules, split_signatures
+    load_rules(overlay)                 # the written overlay must load (RuleError otherwise)
+    split_signatures(overlay)
+    print(f"{overlay}: revision {res.revision}, {len(res.added)} entries added "
+          f"(compiles read it through --rules-overlay / Options(rules_overlay=...))")
 
 
 def _cmd_machine(args, opts):
@@ -99,6 +134,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
     p.add_argument("--target", default=None, help="cpu (default) | reference")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--rules-overlay", default=None,
+                   help="rule overlay to compile with (default <cache-dir>/rules_overlay.toml when it exists)")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("explain", help="print the fusion plan of a model")
     e.add_argument("model")
@@ -114,8 +151,13 @@ def main(argv=None) -> int:
     c = sub.add_parser("cache", help="inspect or clear the piecewise JIT cache")
     c.add_argument("action", choices=["info", "clear"])
     fb = sub.add_parser("feedback", help="rule-feedback reports")
-    fb.add_argument("action", choices=["report"])
+    fb.add_argument("action", choices=["report", "apply", "revert"])
+    fb.add_argument("version", nargs="?", type=int, metavar="VERSION", help="revert: the revision to restore")
     fb.add_argument("--html", action="store_true")
+    fb.add_argument("--dry-run", action="store_true", help="apply: print the diff, write nothing")
+    fb.add_argument("--log", help="apply: the feedback log (default <cache-dir>/feedback.jsonl)")
+    fb.add_argument("--overlay", help="apply/revert: the overlay (default --rules-overlay, "
+                                      "else <cache-dir>/rules_overlay.toml)")
     mc = sub.add_parser("machine", help="the machine figures the cost model uses, and where they came from")
     mc.add_argument("--measure", action="store_true", help="measure again (and store when plausible)")
     mc.add_argument("--reset", action="store_true", help="delete the stored figures first")
@@ -128,6 +170,12 @@ def main(argv=None) -> int:
         opts = opts.replace(target=args.target)
     if args.cache_dir:
         opts = opts.replace(cache_dir=args.cache_dir)
+    if args.rules_overlay:
+        opts = opts.replace(rules_overlay=args.rules_overlay)
+    elif args.cmd != "feedback":
+        import os
+        if os.path.exists(default_overlay_path(opts)):      # what `feedback apply` wrote last
+            opts = opts.replace(rules_overlay=default_overlay_path(opts))
     handlers = {"explain": _cmd_explain, "run": _cmd_run, "cache": _cmd_cache, "feedback": _cmd_feedback,
                 "machine": _cmd_machine}
     try:

@@ -47,6 +47,11 @@ class RuleError(ApolloError):
     """A partition rule table or user overlay is malformed."""
 
 
+class FeedbackError(ApolloError):
+    """A feedback log or rule overlay revision that cannot be used (missing file or revision,
+    unreadable overlay)."""
+
+
 class OptionsError(ApolloError):
     """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
 
