@@ -1,4 +1,4 @@
-"""Command-line interface: ``apollo-py explain|run|cache|feedback|machine``.
+"""Command-line interface: ``apollo-py explain|run|bench|cache|feedback|machine``.
 
 ``feedback apply`` writes the refusals of the log into the rule overlay
 ``<cache-dir>/rules_overlay.toml`` (or ``--overlay``), which later compiles of this CLI read.
@@ -67,6 +67,71 @@ def _cmd_run(args, opts):
             print(f"{name}: {arr.dtype}{list(arr.shape)} -> {path}")
         else:
             print(f"{name}: {arr.dtype}{list(arr.shape)}\n{arr}")
+
+
+def _bench_feeds(f, shapes, pairs, seed=0):
+    """Inputs for ``bench``: the ``--input`` files, else random arrays of the given / static
+    shapes (standard normal for floats, 0..9 for integers, random for bool)."""
+    import numpy as np
+    from .ir.types import DTYPES
+    feeds = _load_inputs(pairs, f)
+    rng = np.random.default_rng(seed)
+    for spec in f.program.inputs:
+        if spec.name in feeds:
+            continue
+        shape = shapes.get(spec.name) or spec.dims
+        if not all(isinstance(d, int) for d in shape):
+            raise ApolloError(f"input {spec.name!r} has symbolic shape {spec.describe()}: pass "
+                              f"--shape {spec.name}=D0,D1,... or --input {spec.name}=FILE.npy")
+        dt = np.dtype(DTYPES[spec.dtype])
+        if dt.kind == "f":
+            feeds[spec.name] = rng.standard_normal(shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[spec.name] = rng.random(shape) < 0.5
+        else:
+            feeds[spec.name] = rng.integers(0, 10, size=shape).astype(dt)
+    return feeds
+
+
+def _ort_seconds(model, feeds, repeat):
+    """Median seconds of onnxruntime on ``feeds`` (None when onnxruntime is not installed or
+    the model is not an ONNX file or ModelProto)."""
+    import statistics
+    import time
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    src = model if isinstance(model, str) else getattr(model, "SerializeToString", lambda: None)()
+    if src is None:
+        return None
+    try:
+        sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+        want = {i.name for i in sess.get_inputs()}
+        fd = {k: v for k, v in feeds.items() if k in want}
+        sess.run(None, fd)
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            sess.run(None, fd)
+            times.append(time.perf_counter() - t0)
+    except Exception as e:     # noqa: BLE001 -- onnxruntime's errors are its own; report, not fail
+        print(f"onnxruntime: could not run the model ({str(e).splitlines()[0][:200]})")
+        return None
+    return statistics.median(times)
+
+
+def _cmd_bench(args, opts):
+    from .api import jit
+    shapes = parse_shapes(args.shape)
+    f = jit(args.model, options=opts, input_shapes=shapes or None)
+    feeds = _bench_feeds(f, shapes, args.input)
+    prof = f.profile(repeat=args.repeat, **feeds)
+    print(json.dumps(prof.to_dict(), indent=1) if args.json else prof)
+    ort_s = _ort_seconds(args.model, feeds, args.repeat)
+    if ort_s is not None:
+        print(f"onnxruntime: {ort_s * 1e3:.3f} ms per run (median of {args.repeat}); apollo_py / onnxruntime "
+              f"= {prof.total_seconds / ort_s:.2f}x")
 
 
 def _cmd_cache(args, opts):
@@ -148,6 +213,14 @@ def main(argv=None) -> int:
     r.add_argument("--out", help="directory to write outputs as .npy")
     r.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
                    help="pin the shape of an input with symbolic dims (the inputs must match)")
+    bn = sub.add_parser("bench", help="profile a model: per-step times, GB/s, GFLOP/s, roofline; "
+                                      "onnxruntime's time when installed")
+    bn.add_argument("model")
+    bn.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                    help="shape of an input with symbolic dims (random inputs of these shapes)")
+    bn.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="use this array for an input")
+    bn.add_argument("--repeat", type=int, default=20)
+    bn.add_argument("--json", action="store_true")
     c = sub.add_parser("cache", help="inspect or clear the piecewise JIT cache")
     c.add_argument("action", choices=["info", "clear"])
     fb = sub.add_parser("feedback", help="rule-feedback reports")
@@ -177,7 +250,7 @@ def main(argv=None) -> int:
         if os.path.exists(default_overlay_path(opts)):      # what `feedback apply` wrote last
             opts = opts.replace(rules_overlay=default_overlay_path(opts))
     handlers = {"explain": _cmd_explain, "run": _cmd_run, "cache": _cmd_cache, "feedback": _cmd_feedback,
-                "machine": _cmd_machine}
+                "machine": _cmd_machine, "bench": _cmd_bench}
     try:
         handlers[args.cmd](args, opts)
     except ApolloError as err:
