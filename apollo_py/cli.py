@@ -52,6 +52,14 @@ def parse_shapes(pairs) -> dict[str, tuple]:
 def _cmd_explain(args, opts):
     from .api import explain
     plan = explain(args.model, options=opts, input_shapes=parse_shapes(args.shape) or None)
+    if args.html:
+        if not hasattr(plan, "to_html"):
+            raise ApolloError("--html draws one compiled plan; this model's plan is staged (a node's "
+                              "output shape depends on data): use the text or --json")
+        from .fsutil import atomic_write
+        atomic_write(args.html, plan.to_html().encode())
+        print(f"wrote {args.html} ({len(plan.kernels)} steps)")
+        return
     print(plan.to_json() if args.json else plan)
 
 
@@ -205,6 +213,7 @@ def main(argv=None) -> int:
     e = sub.add_parser("explain", help="print the fusion plan of a model")
     e.add_argument("model")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--html", metavar="FILE", help="write the plan as one self-contained HTML page")
     e.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
                    help="shape of an input with symbolic dims (repeat per input)")
     r = sub.add_parser("run", help="run a model on .npy inputs")
