@@ -24,7 +24,8 @@ class Options:
 
     ``target``: "cpu" (LLVM kernels, the default) or "reference" (numpy oracle, micro-graph by
     micro-graph).
-    ``rules_overlay``: path of a user TOML overlay for the partition rule table.
+    ``rules_overlay``: path of a user TOML overlay for the partition rule table and layer 1's
+    ``[[split]]`` patterns (written by ``apollo-py feedback apply``; partition/rules.py).
     ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).
     ``schedule_timeout``: seconds of wall time one isl scheduler call may take (it runs in a
     child process that is stopped when over; the micro-graph is then split, like over
