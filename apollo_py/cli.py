@@ -1,4 +1,4 @@
-"""Command-line interface: ``apollo-py explain|run|bench|cache|feedback|machine``.
+"""Command-line interface: ``apollo-py explain|run|compile|bench|cache|feedback|machine``.
 
 ``feedback apply`` writes the refusals of the log into the rule overlay
 ``<cache-dir>/rules_overlay.toml`` (or ``--overlay``), which later compiles of this CLI read.
@@ -75,6 +75,44 @@ def _cmd_run(args, opts):
             print(f"{name}: {arr.dtype}{list(arr.shape)} -> {path}")
         else:
             print(f"{name}: {arr.dtype}{list(arr.shape)}\n{arr}")
+
+
+def _cmd_compile(args, opts):
+    """Compile a model; for a CUDA target write each launch's .cu, .ptx per architecture,
+    resource use (resources.json) and the plan (plan.json) under ``--out``, no GPU needed."""
+    import os
+    from .api import jit
+    plan = jit(args.model, options=opts).plan
+    if not args.out:
+        print(plan)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plan.json"), "w") as f:
+        f.write(plan.to_json())
+    if not opts.target.startswith("cuda"):
+        print(f"plan -> {args.out}/plan.json")
+        return
+    from .codegen.cached import piece_cache
+    from .codegen.nvrtc import compile_cuda
+    from .runtime.cuda import Launch
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    resources = {}
+    for step in getattr(plan, "kernels", ()):
+        if not isinstance(step, Launch):
+            continue
+        k = step.kernel
+        with open(os.path.join(args.out, f"{k.name}.cu"), "w") as f:
+            f.write(k.source)
+        entry = {"form": k.form, "grid": list(k.grid), "block": list(k.block), "values": list(step.param_values)}
+        for a in archs:
+            b = compile_cuda(k.source, k.name, a, piece_cache(opts.cache_dir))
+            with open(os.path.join(args.out, f"{k.name}.{a}.ptx"), "w") as f:
+                f.write(b.ptx)
+            entry[a] = b.resources[k.name].to_dict()
+        resources[k.name] = entry
+    with open(os.path.join(args.out, "resources.json"), "w") as f:
+        json.dump(resources, f, indent=1)
+    print(f"{len(resources)} CUDA kernels ({', '.join(archs)}) -> {args.out}")
 
 
 def _bench_feeds(f, shapes, pairs, seed=0):
@@ -205,7 +243,7 @@ def _cmd_machine(args, opts):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
-    p.add_argument("--target", default=None, help="cpu (default) | reference")
+    p.add_argument("--target", default=None, help="cpu (default) | reference | cuda | cuda-emu")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--rules-overlay", default=None,
                    help="rule overlay to compile with (default <cache-dir>/rules_overlay.toml when it exists)")
@@ -222,6 +260,12 @@ def main(argv=None) -> int:
     r.add_argument("--out", help="directory to write outputs as .npy")
     r.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
                    help="pin the shape of an input with symbolic dims (the inputs must match)")
+    co = sub.add_parser("compile", help="compile a model; with --out, write its kernels (CUDA: .cu, .ptx, "
+                        "resources.json) and plan.json")
+    co.add_argument("model")
+    co.add_argument("--target", dest="sub_target", default=None, help="as the global --target")
+    co.add_argument("--out", help="directory for the generated files")
+    co.add_argument("--arch", default="sm_80,sm_90", help="CUDA architectures for the PTX (comma-separated)")
     bn = sub.add_parser("bench", help="profile a model: per-step times, GB/s, GFLOP/s, roofline; "
                                       "onnxruntime's time when installed")
     bn.add_argument("model")
@@ -248,8 +292,9 @@ def main(argv=None) -> int:
     mc.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     opts = Options()
-    if args.target:
-        opts = opts.replace(target=args.target)
+    target = getattr(args, "sub_target", None) or args.target
+    if target:
+        opts = opts.replace(target=target)
     if args.cache_dir:
         opts = opts.replace(cache_dir=args.cache_dir)
     if args.rules_overlay:
@@ -258,8 +303,8 @@ def main(argv=None) -> int:
         import os
         if os.path.exists(default_overlay_path(opts)):      # what `feedback apply` wrote last
             opts = opts.replace(rules_overlay=default_overlay_path(opts))
-    handlers = {"explain": _cmd_explain, "run": _cmd_run, "cache": _cmd_cache, "feedback": _cmd_feedback,
-                "machine": _cmd_machine, "bench": _cmd_bench}
+    handlers = {"explain": _cmd_explain, "run": _cmd_run, "compile": _cmd_compile, "cache": _cmd_cache,
+                "feedback": _cmd_feedback, "machine": _cmd_machine, "bench": _cmd_bench}
     try:
         handlers[args.cmd](args, opts)
     except ApolloError as err:

@@ -11,7 +11,7 @@ from .ir.graph import Graph
 from .options import Options
 from .plan import Plan
 
-TARGETS = ("reference", "cpu")
+TARGETS = ("reference", "cpu", "cuda", "cuda-emu")
 
 
 def compile_graph(graph: Graph, options: Options):
@@ -32,8 +32,18 @@ def compile_graph(graph: Graph, options: Options):
         return MicroGraphExecutable(graph, Plan(graph=graph, micro_graphs=micro_graphs,
                                                 timings=tuple(progress.timings)))
 
-    from .layers.blas_fold import fold_blas
     from .layers.lowering import lower_micro_graphs
+    if options.target in ("cuda", "cuda-emu"):     # runtime/cuda.py: pycuda, or its CPU emulation
+        from .runtime.cuda import build_cuda_executable, cuda_note, cuda_steps
+        progress.stage("layer 1 fusion", len(micro_graphs))
+        specs = lower_micro_graphs(graph, micro_graphs, options, progress)
+        progress.stage("CUDA codegen (NVRTC)")
+        steps = cuda_steps(graph, specs, options)
+        progress.done()
+        plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(steps), timings=tuple(progress.timings),
+                    notes=(cuda_note(steps, options),))
+        return build_cuda_executable(graph, steps, plan, options)
+    from .layers.blas_fold import fold_blas
     from .runtime.blas import BlasStep, cblas
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
 

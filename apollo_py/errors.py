@@ -60,3 +60,7 @@ class TraceError(ApolloError):
     """A traced Python function did something tracing cannot record: a Python branch on a
     traced value, an in-place update, a tracer used outside its trace (the message names the
     file and line of the user's code and what to write instead)."""
+
+
+class CudaUnavailableError(ApolloError):
+    """target="cuda" was asked for but pycuda, cuBLAS or a CUDA driver / GPU is missing."""

@@ -22,8 +22,9 @@ def _default_cache_dir() -> str:
 class Options:
     """What the compiler may do and where it keeps its files.
 
-    ``target``: "cpu" (LLVM kernels, the default) or "reference" (numpy oracle, micro-graph by
-    micro-graph).
+    ``target``: "cpu" (LLVM kernels, the default), "reference" (numpy oracle, micro-graph by
+    micro-graph), "cuda" (CUDA kernels through pycuda) or "cuda-emu" (the same CUDA source run
+    on the CPU by an emulation build, for tests).
     ``rules_overlay``: path of a user TOML overlay for the partition rule table and layer 1's
     ``[[split]]`` patterns (written by ``apollo-py feedback apply``; partition/rules.py).
     ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).

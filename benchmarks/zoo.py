@@ -149,7 +149,7 @@ def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump
         _trace_fusion(fuse_log)
     t0 = time.perf_counter()
     f = apollo_py.jit(path, options=Options(cache_dir=cache_dir, num_threads=threads,
-                                            progress=(mode == "cold")))
+                                            progress=True))
     t_jit = time.perf_counter()
     out = f(**feeds)
     t1 = time.perf_counter()
@@ -252,7 +252,8 @@ def _stage_times(lines: list) -> dict:
 
 def run_model(path: Path, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="apollo_zoo_cache_") as cache:
-        row = {"model": path.name, "cold": _run_worker("cold", path, cache, args)}
+        row = {"model": path.name, "loadavg_1m": os.getloadavg()[0],
+               "cold": _run_worker("cold", path, cache, args)}
         if "error" in row["cold"]:
             return row
         row["warm"] = _run_worker("warm", path, cache, args)
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
         text = table(rows)
         print(text)
         if args.write_results:
-            _write_results(text, args)
+            _write_results(text, args, rows)
         return 0
     manifest = json.loads((args.dir / "manifest.json").read_text())
     names = sorted(k for k, v in manifest.items() if "export_error" not in v and (args.dir / k).exists())
@@ -330,17 +331,23 @@ def main(argv=None) -> int:
     text = table(rows)
     print(text)
     if args.write_results:
-        _write_results(text, args)
+        _write_results(text, args, rows)
     return 0
 
 
-def _write_results(text: str, args) -> None:
+def _load_note(rows) -> str:
+    loads = [r["loadavg_1m"] for r in rows if "loadavg_1m" in r]
+    return f" (1-minute load average {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} cores)" if loads else ""
+
+
+def _write_results(text: str, args, rows=()) -> None:
     res = HERE / "RESULTS.md"
     doc = res.read_text() if res.exists() else ""
     start, end = "<!-- zoo table start -->", "<!-- zoo table end -->"
     block = (f"{start}\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, "
              f"{os.cpu_count()} cores, {args.threads} threads, files in `{args.dir}`, cold-compile limit "
-             f"{args.limit:.0f} s.  The machine was shared with other jobs: times are indicative only.\n\n"
+             f"{args.limit:.0f} s.  The machine was shared with other jobs{_load_note(rows)}: times are "
+             "indicative only.\n\n"
              f"{text}\n\n{end}")
     if start in doc and end in doc:
         doc = doc[:doc.index(start)] + block + doc[doc.index(end) + len(end):]

@@ -51,6 +51,13 @@ def _fusable(n: Node, types, shape: tuple, known: set) -> bool:
 def _reason_blas(head: Node, types, options: Options) -> str:
     """Why ``head`` runs through numpy ("" if the generated GEMM may run it)."""
     out = types[head.outputs[0]]
+    if options.target in ("cuda", "cuda-emu"):    # codegen/cuda_gemm.py: float32 / float16 storage
+        dts = {out.dtype, *(types[v].dtype for v in head.inputs)}
+        if len(dts) != 1 or not dts <= {"float32", "float16"}:
+            return f"{'/'.join(sorted(dts))} operands (the CUDA GEMM takes float32 or float16)"
+        if head.op == "conv" and len(types[head.inputs[0]].shape) != 4:
+            return f"{len(types[head.inputs[0]].shape) - 2}-d conv (the implicit GEMM handles 2-d)"
+        return ""
     if out.dtype != "float32" or any(types[v].dtype != "float32" for v in head.inputs):
         return f"{out.dtype} operands (the generated GEMM is float32 only)"
     if head.op == "conv":
