@@ -148,7 +148,10 @@ def _page(plan, steps, svg: str, lines, title: str | None) -> str:
     details = []
     for k, s in enumerate(steps):
         try:
-            src = s.source() if hasattr(s, "source") else ""
+            if hasattr(s, "source"):
+                src = s.source()
+            else:       # a CUDA launch (runtime/cuda.py) carries its kernel's CUDA C source
+                src = getattr(getattr(s, "kernel", None), "source", "") or "(no generated source)"
         except Exception as e:    # noqa: BLE001 -- a step without renderable source still gets its box
             src = f"(no source: {e})"
         if len(src) > _MAX_SOURCE:

@@ -60,6 +60,17 @@ def test_every_step_is_drawn_with_its_ops_and_source():
     assert fused and all(f.name in page for f in fused)
 
 
+def test_cuda_launches_are_drawn_with_their_cuda_source():
+    from apollo_py.codegen.cuda_emu import find_cxx
+    if find_cxx() is None:
+        pytest.skip("the CUDA emulation build needs g++")
+    plan = ap.jit(_graph(), options=ap.Options(target="cuda-emu")).plan
+    p = _Boxes()
+    page = plan.to_html()
+    p.feed(page)
+    assert sorted(p.boxes) == list(range(len(plan.kernels))) and "__global__" in page
+
+
 def test_cli_explain_html_writes_the_page(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import make_models as mm
