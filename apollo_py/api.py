@@ -192,6 +192,15 @@ class CompiledGraph:
                 result[k] = d
         return result
 
+    def profile(self, *args, repeat: int = 10, warmup: int = 1, **kwargs):
+        """Run ``repeat`` times on these inputs and return a :class:`~apollo_py.runtime.profile.Profile`:
+        per-step median times, achieved GB/s and GFLOP/s and each step's roofline position
+        against the machine figures the cost model uses (``print`` it for a table)."""
+        from .runtime.profile import profile_executable
+        feeds = self._bind(args, kwargs)
+        exe = self.specialization({k: v.shape for k, v in feeds.items()})
+        return profile_executable(exe, feeds, repeat=repeat, warmup=warmup)
+
     def run_updating(self, updates: Mapping[str, str], /, **feeds) -> list[np.ndarray]:
         """Run on ``feeds`` (by name) and store each output ``o`` of ``updates`` (output name ->
         input name) into that input's array, e.g. a training step's new weights into the weights.

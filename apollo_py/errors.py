@@ -52,6 +52,11 @@ class ResourceError(ApolloError):
     before the memory is allocated); the message names the node or value."""
 
 
+class FeedbackError(ApolloError):
+    """A feedback log or rule overlay revision that cannot be used (missing file or revision,
+    unreadable overlay)."""
+
+
 class OptionsError(ApolloError):
     """An ``Options`` field (or a value it names, such as a machine preset) is invalid."""
 

@@ -57,7 +57,8 @@ class Options:
     ``target``: "cpu" (LLVM kernels, the default), "reference" (numpy oracle, micro-graph by
     micro-graph), "cuda" (CUDA kernels through pycuda) or "cuda-emu" (the same CUDA source run
     on the CPU by an emulation build, for tests).
-    ``rules_overlay``: path of a user TOML overlay for the partition rule table.
+    ``rules_overlay``: path of a user TOML overlay for the partition rule table and layer 1's
+    ``[[split]]`` patterns (written by ``apollo-py feedback apply``; partition/rules.py).
     ``schedule_budget``: isl operations cap per scheduling call (DESIGN §5).
     ``schedule_timeout``: seconds of wall time one isl scheduler call may take (it runs in a
     child process that is stopped when over; the micro-graph is then split, like over

@@ -146,6 +146,13 @@ class Plan:
                "timings": {name: round(t, 4) for name, t in self.timings}}
         return json.dumps(doc, indent=1)
 
+    def to_html(self, profile=None) -> str:
+        """One self-contained HTML page (inline SVG, no scripts) drawing every step with its
+        ops, reduce form, parallel dims, tiles, bytes, flops (and time, given a
+        ``CompiledGraph.profile`` result), the refusals and each step's source (plan_html.py)."""
+        from .plan_html import render_html
+        return render_html(self, profile)
+
     def micro_graph_table(self) -> str:
         """One row per micro-graph: index, kind, rules applied, ops, ``<- source nodes``."""
         rows = [("#", "kind", "rules", "ops <- sources")]

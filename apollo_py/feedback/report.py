@@ -46,7 +46,12 @@ def render(options: Options, html: bool = False) -> str:
             f"<tr><td>{r['count']}</td><td>{_html.escape(r['event'])}</td><td>{r['mean_ms']:.1f}</td>"
             f"<td><code>{_html.escape(r['signature'])}</code></td><td>{_html.escape(r['proposal'])}</td></tr>"
             for r in rows)
-        return ("<html><body><h1>apollo_py feedback</h1><table border=1><tr><th>count</th><th>event</th>"
+        css = ("body{font-family:sans-serif;margin:1em}table{border-collapse:collapse}"
+               "td,th{border:1px solid #cbd5e1;padding:2px 6px;font-size:12px}")   # plan_html.py's look
+        return ('<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>apollo_py feedback</title>'
+                f"<style>{css}</style></head><body><h1>apollo_py feedback</h1>"
+                f"<p>{_html.escape(path)}: {sum(r['count'] for r in rows)} events, {len(rows)} patterns</p>"
+                "<table><tr><th>count</th><th>event</th>"
                 f"<th>mean ms</th><th>pattern</th><th>proposal</th></tr>{cells}</table></body></html>")
     lines = [f"feedback report for {path}: {sum(r['count'] for r in rows)} events, {len(rows)} patterns"]
     for r in rows:

@@ -27,6 +27,7 @@ from cachetools import LRUCache
 from ..codegen import loopir as L
 from ..ir.graph import Node
 from ..options import Options
+from ..partition.rules import relevant_splits
 from .layer1 import fuse_micro_graph
 
 MAX_ENTRIES = 4096
@@ -58,7 +59,8 @@ def fuse_nodes(nodes: Sequence[Node], types: Mapping, inputs: Sequence[str], out
     key = (tuple((n.op, n.attrs, tuple(names[v] for v in n.inputs), tuple(names[v] for v in n.outputs))
                  for n in nodes),
            tuple(names[v] for v in inputs), tuple(names[v] for v in outputs),
-           tuple((c, types[v]) for v, c in names.items()), options)
+           tuple((c, types[v]) for v, c in names.items()), options,
+           relevant_splits([n.op for n in nodes], options.rules_overlay))   # the overlay file may change
     with _LOCK:
         hit = _MEMO.get(key)
     if hit is None:

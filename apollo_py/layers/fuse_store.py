@@ -76,11 +76,13 @@ def _source_digest() -> str:
 def store_key(cnodes: Sequence, cinputs: Sequence[str], coutputs: Sequence[str], ctypes, options) -> str:
     """The piece key of a canonically named micro-graph for ``options``."""
     from ..cache import piece_key
+    from ..partition.rules import relevant_splits
     text = json.dumps({
         "nodes": [[n.op, n.attrs.canonical(), list(n.inputs), list(n.outputs)] for n in cnodes],
         "inputs": list(cinputs), "outputs": list(coutputs),
         "types": sorted((v, str(t)) for v, t in ctypes.items()),
         "options": [options.schedule_budget, options.schedule_timeout, list(options.tile_sizes or ())],
+        "splits": list(relevant_splits([n.op for n in cnodes], options.rules_overlay)),
         "format": FORMAT, "source": _source_digest()})
     return piece_key(hashlib.sha256(text.encode()).hexdigest(), "layer1", {})
 

@@ -198,6 +198,26 @@ def _schedule_and_lower(nodes, types, inputs, outputs, options, consts, kname, b
     return fs, loop, params, tiles
 
 
+def _overlay_splits(options) -> frozenset:
+    """``[[split]]`` signatures of ``options.rules_overlay`` (partition/rules.py)."""
+    if not options.rules_overlay:
+        return frozenset()
+    from ..partition.rules import split_signatures
+    return split_signatures(options.rules_overlay)
+
+
+def _split(nodes, types, inputs, outputs, options, consts, mgs, base, out):
+    """Fuse ``nodes`` as two parts (split_nodes), each recursively."""
+    a, b = split_nodes(nodes)
+    reads_b = {v for n in b for v in n.inputs}
+    a_in, a_out = _boundary(a, set(outputs), reads_b)
+    b_in, b_out = _boundary(b, set(outputs), set())
+    _fuse(a, types, [v for v in inputs if v in a_in] + [v for v in a_in if v not in inputs],
+          a_out, options, consts, mgs, base, out)
+    _fuse(b, types, [v for v in inputs if v in b_in] + [v for v in b_in if v not in inputs],
+          b_out, options, consts, mgs, base, out)
+
+
 def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget=None):
     t0 = time.perf_counter()
     sig = signature_of(nodes, types)
@@ -205,6 +225,12 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
     seconds = options.schedule_timeout if budget is None else None
     reason = None
     kname = f"{base}_{len(out)}"
+    if budget is None and sig in _overlay_splits(options):
+        # the rule overlay says this pattern was refused before: split it (or schedule the
+        # single node unbounded) without paying the isl attempt and logging it again
+        if len(nodes) == 1:
+            return _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget=0)
+        return _split(nodes, types, inputs, outputs, options, consts, mgs, base, out)
     try:
         expanded = expand_lower_rank(nodes, types, outputs) if len(nodes) > 1 else None
         strategy = ""
@@ -237,15 +263,7 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
                                f"schedule it as one loop nest: {e}") from None
         reason = "groups"
     if reason is not None:
-        a, b = split_nodes(nodes)
-        reads_b = {v for n in b for v in n.inputs}
-        a_in, a_out = _boundary(a, set(outputs), reads_b)
-        b_in, b_out = _boundary(b, set(outputs), set())
-        _fuse(a, types, [v for v in inputs if v in a_in] + [v for v in a_in if v not in inputs],
-              a_out, options, consts, mgs, base, out)
-        _fuse(b, types, [v for v in inputs if v in b_in] + [v for v in b_in if v not in inputs],
-              b_out, options, consts, mgs, base, out)
-        return
+        return _split(nodes, types, inputs, outputs, options, consts, mgs, base, out)
     flops, nbytes = _estimate(nodes, types, params)
     out.append(FusedKernel(
         loop=loop, nodes=tuple(nodes), inputs=tuple(inputs), outputs=tuple(outputs),

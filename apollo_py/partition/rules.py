@@ -15,7 +15,16 @@ The base table ships in ``apollo_py/partition/rules.toml``.  A user overlay (TOM
     consumer = "elementwise"
     result = "reduction"
     after = "5"
+    [[split]]                             # layer 1: split this pattern up front (no isl attempt)
+    signature = "exp:ew($0) tanh:ew(0) ..."
+    reason = "schedule_budget_exceeded 3x (budget 50 isl ops)"
+    date = "2026-11-25T00:10:00Z"
+    evidence = { events = 3, mean_ms = 1.2, models = ["bert"] }
 
+``revision`` (an integer) numbers the overlays written by ``apollo-py feedback apply``; a
+``split`` signature is the pattern signature layer 1 logged (its node list, which may be a part
+of a micro-graph): layer 1 splits a node list with that signature in two without calling isl (a
+single node is scheduled without the operations budget), so the refusal is not paid again.
 A ``disable_for`` signature is the pattern signature (:mod:`.signature`) of the micro-graph the
 merge would produce.  Every problem — malformed TOML, an unknown key, class or rule id, a
 duplicate id, a wrong version — raises :class:`~apollo_py.errors.RuleError` naming the file.
@@ -26,9 +35,11 @@ rule ids, primitive names, duplicates) is checked here.
 from __future__ import annotations
 
 import os
+import re
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterable
 
 try:
     import tomllib
@@ -63,12 +74,17 @@ OVERLAY_SCHEMA = {
     "type": "object", "required": ["version"], "additionalProperties": False,
     "properties": {
         "version": {"const": TABLE_VERSION}, "description": {},
+        "revision": {"type": "integer", "minimum": 0},
         "rule": {"type": "array", "items": _rule_schema({"after": {"type": "string"}})},
         "disable": _STRINGS,
         "disable_for": {"type": "array", "items": {
             "type": "object", "required": ["rule", "signature"], "additionalProperties": False,
             "properties": {"rule": {"type": "string"}, "signature": {"type": "string", "minLength": 1},
-                           "reason": {}}}}}}
+                           "reason": {}, "date": {}, "evidence": {}}}},
+        "split": {"type": "array", "items": {
+            "type": "object", "required": ["signature"], "additionalProperties": False,
+            "properties": {"signature": {"type": "string", "minLength": 1}, "event": {"type": "string"},
+                           "reason": {}, "date": {}, "evidence": {}}}}}}
 
 
 def _check_schema(doc: Any, schema: dict, where: str) -> None:
@@ -226,6 +242,44 @@ def apply_overlay(table: RuleTable, path: str) -> RuleTable:
         rules = [replace(r, disabled_signatures=r.disabled_signatures | {sig}) if r.id == rid else r
                  for r in rules]
     return RuleTable(table.version, tuple(rules), table.sources + (path,))
+
+
+@lru_cache(maxsize=16)
+def _splits(path: str, stamp: tuple) -> frozenset[str]:
+    doc = _read_toml(path)
+    _check_schema(doc, OVERLAY_SCHEMA, f"overlay {path!r}")
+    return frozenset(e["signature"] for e in doc.get("split", []))
+
+
+def split_signatures(overlay: str | None) -> frozenset[str]:
+    """The ``[[split]]`` signatures of the overlay at ``overlay`` (none without one); re-read
+    when the file's mtime or size changes, so an overlay rewritten by ``feedback apply`` counts."""
+    if not overlay:
+        return frozenset()
+    try:
+        st = os.stat(overlay)
+    except OSError:
+        raise RuleError(f"rule file {overlay!r} does not exist") from None
+    return _splits(overlay, (st.st_mtime_ns, st.st_size))
+
+
+_SIG_OP = re.compile(r"(?:^|\s)([A-Za-z_][\w.]*):")
+
+
+def signature_ops(signature: str) -> Counter:
+    """The multiset of primitive names in a pattern signature (``op:class(args)`` terms)."""
+    return Counter(_SIG_OP.findall(signature))
+
+
+def relevant_splits(ops: Iterable[str], overlay: str | None) -> tuple[str, ...]:
+    """The overlay's split signatures that could name a part of a node list with primitives
+    ``ops`` (their primitives are a sub-multiset of ``ops``), sorted.  Cache keys of layer-1
+    results hold these, so an overlay entry recompiles only the pieces it can change."""
+    splits = split_signatures(overlay)
+    if not splits:
+        return ()
+    have = Counter(ops)
+    return tuple(sorted(s for s in splits if not (signature_ops(s) - have)))
 
 
 def load_rules(overlay: str | None = None, base: str = DEFAULT_RULES_PATH) -> RuleTable:
