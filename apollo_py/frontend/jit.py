@@ -25,7 +25,7 @@ from ..errors import InputError, TraceError
 from ..ir.graph import Graph
 from ..ir.types import DTYPES
 from . import trace_numpy  # noqa: F401  (fills trace.RULES: tracers follow numpy)
-from .trace import TraceContext, Tracer, current, to_value
+from .trace import TraceContext, Tracer, current, output_values
 
 
 # -- pytrees --------------------------------------------------------------------------------------
@@ -146,15 +146,7 @@ def trace_to_graph(fn: Callable, args: tuple, kwargs: dict, name: str, options=N
         out_leaves, _, out_tree = flatten(out, "out")
         if any(isinstance(o, Tracer) and o._ctx is not ctx and not ctx._encloses(o._ctx) for o in out_leaves):
             raise TraceError(f"{name}: the function returned a tracer of another trace")
-        vals, seen = [], set()
-        from ..ops.compound import copy as _copy
-        inputs = set(ctx.b._inputs)
-        for o in out_leaves:
-            v = to_value(ctx, o)
-            if v.name in seen or v.name in inputs or not isinstance(o, Tracer):
-                v = _copy(ctx.b, v)
-            seen.add(v.name)
-            vals.append(v)
+        vals = output_values(ctx, out_leaves)
         if ctx.captures:  # only child traces capture; a top-level trace has no parent
             raise TraceError(f"{name}: the function used tracers of an enclosing trace")
         graph = ctx.b.build(vals, name=name)

@@ -144,6 +144,22 @@ def check_dtype(dt: np.dtype, what: str) -> np.dtype:
     return dt
 
 
+def output_values(ctx: TraceContext, leaves, copy_constants: bool = True) -> list:
+    """Graph output values for a trace's output ``leaves``: a value returned twice, an input
+    returned as it is, or (with ``copy_constants``) a non-tracer leaf gets a copy, so that every
+    graph output is a value of its own."""
+    from ..ops.compound import copy
+    vals, seen = [], set()
+    inputs = set(ctx.b._inputs)
+    for o in leaves:
+        v = to_value(ctx, o)
+        if v.name in seen or v.name in inputs or (copy_constants and not isinstance(o, Tracer)):
+            v = copy(ctx.b, v)
+        seen.add(v.name)
+        vals.append(v)
+    return vals
+
+
 def to_value(ctx: TraceContext, x, dtype=None) -> Value:
     """``x`` (tracer, array, scalar) as a Value of ``ctx``, cast to ``dtype`` when given."""
     if isinstance(x, Tracer):

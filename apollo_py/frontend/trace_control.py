@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import TraceError
 from . import trace_numpy  # noqa: F401  (fills trace.RULES)
-from .trace import TraceContext, Tracer, current, to_value, user_frame
+from .trace import TraceContext, Tracer, current, output_values, to_value, user_frame
 
 OPSET = 17
 
@@ -34,22 +34,13 @@ def stop_gradient(x):
 def _child_graph(ctx, name, fn, in_specs):
     """Trace ``fn(*inputs)`` (inputs of ``in_specs``: (name, shape, dtype)) in a child of ``ctx``.
     Returns (graph, output tree, child context)."""
-    from ..ops.compound import copy as _copy
     from .jit import flatten
     sub = TraceContext(name, parent=ctx)
     with sub:
         ins = [sub.input(n, s, d) for n, s, d in in_specs]
         out = fn(*ins)
         leaves, _, tree = flatten(out, "out")
-        vals, seen = [], set()
-        inputs = set(sub.b._inputs)
-        for o in leaves:
-            v = to_value(sub, o)
-            if v.name in seen or v.name in inputs or not isinstance(o, Tracer):
-                v = _copy(sub.b, v)
-            seen.add(v.name)
-            vals.append(v)
-        graph = sub.b.build(vals, name=name)
+        graph = sub.b.build(output_values(sub, leaves), name=name)
     return graph, tree, sub
 
 

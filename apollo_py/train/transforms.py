@@ -120,21 +120,12 @@ def _trace_child(ctx, body, leaves):
     """Trace ``body`` on fresh inputs shaped like ``leaves`` in child context ``ctx``; the
     captures of ``ctx`` are the extra inputs.  Returns (graph, output tree, leaf input names)."""
     from ..frontend.jit import flatten, leaf_spec
-    from ..frontend.trace import to_value
-    from ..ops.compound import copy as _copy
+    from ..frontend.trace import output_values
     with ctx:
         ins = [ctx.input(f"in{k}", *leaf_spec(x)) for k, x in enumerate(leaves)]
         out = body(*ins)
         out_leaves, _, out_tree = flatten(out, "out")
-        vals, seen = [], set()
-        inputs = set(ctx.b._inputs)
-        for o in out_leaves:
-            v = to_value(ctx, o)
-            if v.name in seen or v.name in inputs:
-                v = _copy(ctx.b, v)
-            seen.add(v.name)
-            vals.append(v)
-        graph = ctx.b.build(vals, name=ctx.name)
+        graph = ctx.b.build(output_values(ctx, out_leaves, copy_constants=False), name=ctx.name)
     return graph, out_tree, [f"in{k}" for k in range(len(leaves))]
 
 
