@@ -69,13 +69,9 @@ def _rel_err(got, want) -> float:
 
 
 def _ort(path: str, level, threads: int):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.graph_optimization_level = level
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    """onnxruntime session as benchmarks/run.py makes one (no spinning pool threads)."""
+    from run import _ort_session     # InferenceSession takes a path as well as bytes
+    return _ort_session(path, level, threads)
 
 
 def _time_interleaved(fns: dict, rounds: int, block_s: float = 0.05) -> dict:
