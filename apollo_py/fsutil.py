@@ -5,6 +5,7 @@ Used by the piece cache (``cache.py``) and the stored machine figures (``machine
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 
@@ -22,3 +23,13 @@ def atomic_write(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def files_digest(paths) -> str:
+    """First 16 hex digits of the sha256 over the contents of ``paths``, in order (a cache key
+    part that changes whenever the source files that shape a cached result change)."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]

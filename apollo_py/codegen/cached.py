@@ -43,12 +43,9 @@ def piece_cache(directory: str | None) -> PieceCache:
 def _backend_digest() -> str:
     """sha256 of the LLVM back end's own source (optimiser pipeline, object emission), so that
     a change there invalidates pieces even when the rendered text stays the same."""
-    here = os.path.dirname(__file__)
-    h = hashlib.sha256()
-    for name in ("llvm.py", "gemm.py", "cached.py"):       # by file: gemm imports this module
-        with open(os.path.join(here, name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:16]
+    from ..fsutil import files_digest
+    here = os.path.dirname(__file__)     # by file: gemm imports this module
+    return files_digest(os.path.join(here, name) for name in ("llvm.py", "gemm.py", "cached.py"))
 
 
 def positional(k: L.Kernel) -> L.Kernel:

@@ -58,19 +58,13 @@ def decode(x):
 @lru_cache(maxsize=None)
 def _source_digest() -> str:
     """sha256 over the source of layer 1 and the modules it builds on."""
+    from ..fsutil import files_digest
     here = os.path.dirname(os.path.dirname(__file__))
-    h = hashlib.sha256()
-    for sub in ("poly", "ops"):
-        d = os.path.join(here, sub)
-        for name in sorted(os.listdir(d)):
-            if name.endswith(".py"):
-                with open(os.path.join(d, name), "rb") as f:
-                    h.update(f.read())
-    for rel in ("codegen/loopir.py", "layers/layer1.py", "layers/expand.py", "layers/fuse_store.py",
-                "layers/fuse_memo.py"):
-        with open(os.path.join(here, rel), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:16]
+    paths = [os.path.join(here, sub, name) for sub in ("poly", "ops")
+             for name in sorted(os.listdir(os.path.join(here, sub))) if name.endswith(".py")]
+    paths += [os.path.join(here, rel) for rel in ("codegen/loopir.py", "layers/layer1.py", "layers/expand.py",
+                                                  "layers/fuse_store.py", "layers/fuse_memo.py")]
+    return files_digest(paths)
 
 
 def store_key(cnodes: Sequence, cinputs: Sequence[str], coutputs: Sequence[str], ctypes, options) -> str:
