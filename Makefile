@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup bench zoo clean fuzz
+.PHONY: demo test setup bench zoo clean fuzz soak
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 # mutated ONNX models (only ApolloError may come out); fixed seeds, see tools/fuzz.py
 fuzz: $(STAMP)
 	$(BIN)/python tools/fuzz.py --graphs 10000 --mutations 2000
+
+# soak (issue #16 item 7): 100,000 calls of a small model, 1,000 of a large one (the zoo's
+# full-size DLRM, if `make zoo` exported it), shape churn, SIGKILLed compiles, interpreter exit;
+# RSS and open fds must stay flat (tolerances in tools/soak.py)
+soak: $(STAMP)
+	$(BIN)/python tools/soak.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

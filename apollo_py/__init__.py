@@ -5,7 +5,7 @@ Public API: :func:`jit` (ONNX models, Graphs, and numpy-style Python functions),
 :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the error classes.  Heavy modules
 (onnx, islpy, llvmlite, pycuda) load on first use.
 """
-from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
+from .errors import (ApolloError, CompileError, CompileTimeoutError, GraphError, InputError, ModelLoadError, OptionsError,
                      ResourceError, RuleError, ShapeError, TraceError, UnsupportedOpError)
 from .machine import Machine
 from .options import Options
@@ -15,7 +15,7 @@ from .api import CompiledGraph, explain, jit
 
 __version__ = "0.1.0"
 
-__all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
+__all__ = ["ApolloError", "CompileError", "CompileTimeoutError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
            "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError",
            "TensorType", "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 

@@ -447,7 +447,9 @@ class OnnxProgram(Program):
             env[spec.name] = b.input(spec.name, shapes[spec.name], spec.dtype)
         lowering = Lowering(b, env, self.initializers, self.opset, options)
         input_names = [s.name for s in self.inputs]
+        from ..deadline import check as check_deadline
         for k, node in enumerate(self.nodes):
+            check_deadline("ONNX lowering", node.describe())
             try:
                 lowering.run(node)
             except DataDependent as e:

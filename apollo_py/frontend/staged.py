@@ -54,6 +54,13 @@ def compile_program(program, shapes: Mapping[str, tuple], options) -> Any:
     from ..options import Options
 
     options = options if options is not None else Options()
+    from ..deadline import compile_deadline
+    with compile_deadline(options, getattr(program, "name", "")):
+        return _compile_program(program, shapes, options)
+
+
+def _compile_program(program, shapes, options):
+    from ..compiler import compile_graph
     lower = getattr(program, "lower", None)
     if lower is None:
         return compile_graph(program.specialize(shapes), options)

@@ -52,8 +52,10 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
         acc |= set(m.inputs)
     reads_after.reverse()
 
+    from ..deadline import check as check_deadline
     steps: list[StepSpec] = []
     for group in stitch_groups(micro_graphs, types):
+        check_deadline("layer 1 fusion", _micro_graph_label(micro_graphs, group))
         if progress is not None:
             progress.step(len(group))
         members = [micro_graphs[k] for k in group]
@@ -102,6 +104,16 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
         ins, outs = _boundary(nodes, graph, later)
         steps.extend(_fuse(nodes, ins, outs, graph, options, tuple(group), members))
     return steps
+
+
+def _micro_graph_label(micro_graphs, group) -> str:
+    """"micro-graph 3 (first node 'add_7', 4 nodes)" -- where a compile timeout names the work."""
+    m = micro_graphs[group[0]]
+    nodes = [n for k in group for n in micro_graphs[k].nodes]
+    first = f"{nodes[0].op} {nodes[0].label!r}" if nodes else "?"
+    src = f" from ONNX node {nodes[0].source[0]!r}" if nodes and nodes[0].source else ""
+    more = f"-{group[-1]}" if len(group) > 1 else ""
+    return f"micro-graph {group[0]}{more} ({m.kind}, {len(nodes)} nodes, first {first}{src})"
 
 
 def _no_kernel_reason(nodes, types) -> str:
