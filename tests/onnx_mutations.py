@@ -82,14 +82,42 @@ def mutate(seed: int) -> tuple[str, bytes | onnx.ModelProto, dict]:
     return what, m, feeds
 
 
+def _names(model) -> set[str]:
+    """What an error about ``model`` may name: its nodes (name, op type), values and inputs."""
+    if not isinstance(model, onnx.ModelProto):
+        return set()
+    g = model.graph
+    out = {n.name for n in g.node} | {n.op_type for n in g.node}
+    out |= {v for n in g.node for v in (*n.input, *n.output)}
+    out |= {v.name for v in (*g.input, *g.output, *g.initializer)}
+    return {n for n in out if n}
+
+
+#: what an error about a model-level defect (truncated bytes, absurd opset) names instead
+_MODEL_LEVEL = ("opset", "protobuf", "ModelProto", "ONNX model", "parse")
+
+
+def unnamed(message: str, model, kind: str = "") -> bool:
+    """True when ``message`` names no node (name or op type), value or input of ``model`` as a
+    whole word -- nor, for the model-level defects ``truncate`` and ``opset``, the opset or the
+    model's bytes."""
+    import re
+    for n in _names(model):
+        if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", message):
+            return False
+    return not (kind in ("truncate", "opset") and any(w in message for w in _MODEL_LEVEL))
+
+
 def check_mutation(seed: int) -> str | None:
-    """None when the mutated model loads, compiles and runs or raises an ApolloError, else a
-    one-line description of the raw exception."""
+    """None when the mutated model loads, compiles and runs, or raises an ApolloError whose
+    message names the node or input (:func:`unnamed`); else a one-line description."""
     what, model, feeds = mutate(seed)
     try:
         f = ap.jit(model, options=ap.Options(machine="conservative", max_memory=2**30))
         f.run(**{k: v for k, v in feeds.items() if k in f.input_names})
-    except ap.ApolloError:
+    except ap.ApolloError as e:
+        if unnamed(str(e), model, what.split(": ")[-1].split()[0]):
+            return f"{what}: {type(e).__name__} names no node or input: {str(e).splitlines()[0][:200]}"
         return None
     except Exception as e:  # noqa: BLE001 - the finding
         return f"{what}: raw {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

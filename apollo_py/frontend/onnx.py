@@ -133,7 +133,12 @@ def _check(proto, path, model) -> None:
                      "Field 'shape' of 'type' is required but missing")
         if not any(t in text for t in tolerated):
             first = text.splitlines()[0] if text else type(e).__name__
-            raise ModelLoadError(f"invalid ONNX model: {first}") from None
+            # the checker names the node on a later line ("==> Context: Bad node spec for
+            # node. Name: bn OpType: BatchNormalization"): keep it, the first line does not
+            import re
+            ctx = re.search(r"Name: (\S*) OpType: (\S+)", text)
+            where = f"node {ctx.group(1)!r} ({ctx.group(2)}): " if ctx else ""
+            raise ModelLoadError(f"invalid ONNX model: {where}{first}") from None
 
 
 def _program_from(proto, mapped) -> "OnnxProgram":
