@@ -1,6 +1,7 @@
 """ONNX-level mutation fuzzing (issue #16 item 3): the example models with one random defect --
 an attribute flipped, an input dropped, a dtype or dim changed, a cycle, a dangling name, a
-truncated protobuf, an absurd opset.  Loading, compiling and running may succeed or raise an
+truncated protobuf, an absurd opset -- and, from seed ``ZOO_SEED0`` on, the same defects in
+torch.onnx exports of the model zoo (tests/models/zoo).  Loading, compiling and running may succeed or raise an
 ApolloError subclass; anything else is a finding.  One seed = one mutation, reproducible."""
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import make_models as mm  # noqa: E402
 
 MODELS = ("make_mlp", "make_conv_block", "make_attention", "make_layernorm_gelu", "make_softmax_chain")
+#: torch.onnx exports (tests/models/zoo; dynamo and TorchScript, with Gather/Concat/Gemm index
+#: plumbing, int64 ids, LSTM/GRU): mutated from seed ZOO_SEED0 on
+ZOO_MODELS = ("dlrm_small.dynamo.onnx", "dlrm_small.torchscript.onnx", "lstm_gru_small.torchscript.onnx")
+ZOO_SEED0 = 10**7
+ZOO_DIR = Path(__file__).resolve().parent / "models" / "zoo"
 MUTATIONS = ("flip_attribute", "drop_input", "change_dtype", "change_dim", "cycle", "dangling",
              "truncate", "opset", "rename_output", "duplicate_output")
 _BASE: dict = {}
@@ -23,17 +29,22 @@ _BASE: dict = {}
 
 def _base(name):
     if name not in _BASE:
-        m = getattr(mm, name)()
-        _BASE[name] = (m.SerializeToString(), mm.example_inputs(m))
+        if name.endswith(".onnx"):
+            from soak_lib import zoo_feeds
+            _BASE[name] = ((ZOO_DIR / name).read_bytes(), zoo_feeds(name, ZOO_DIR))
+        else:
+            m = getattr(mm, name)()
+            _BASE[name] = (m.SerializeToString(), mm.example_inputs(m))
     return _BASE[name]
 
 
 def mutate(seed: int) -> tuple[str, bytes | onnx.ModelProto, dict]:
     """(description, mutated model, feeds) for ``seed``."""
     rng = np.random.default_rng(seed)
-    name = MODELS[seed % len(MODELS)]
+    models = ZOO_MODELS if seed >= ZOO_SEED0 else MODELS
+    name = models[seed % len(models)]
     raw, feeds = _base(name)
-    kind = MUTATIONS[(seed // len(MODELS)) % len(MUTATIONS)]
+    kind = MUTATIONS[(seed // len(models)) % len(MUTATIONS)]
     m = onnx.ModelProto()
     m.ParseFromString(raw)
     nodes = m.graph.node

@@ -180,3 +180,14 @@ def test_deadline_is_per_compile_and_per_thread(clock):
             deadline.check("stage")
     assert seen == [None]           # another thread's compile has no deadline of this one
     deadline.check("stage")         # and none outside the block
+
+
+@pytest.mark.skipif(not (ZOO / "resnet_small.dynamo.onnx").exists(), reason="zoo small models not present")
+def test_cli_compile_timeout(tmp_path, capsys):
+    from apollo_py.cli import main
+    model = str(ZOO / "resnet_small.dynamo.onnx")
+    assert main(["--cache-dir", str(tmp_path), "--compile-timeout", "1e-6", "explain", model,
+                 "--shape", "x=1,3,32,32"]) == 2
+    assert "ran past Options.compile_timeout = 1e-06 s in stage 'ONNX lowering'" in capsys.readouterr().err
+    assert main(["--compile-timeout", "0", "explain", model]) == 2
+    assert "Options.compile_timeout must be None or a number of seconds > 0" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """Differential testing (issue #16 item 3): random primitive graphs (tests/fuzz_graphs.py) in
 float32, float64, int32, int64 and bool compiled for "cpu" give what target "reference" gives
 (floats within rtol 1e-4 / atol 1e-5, ints and bools exactly).  ``make test`` draws 150 seeds,
-6 more per non-float32 dtype and 80 mutations; ``make fuzz`` (tools/fuzz.py) runs 10,000 fixed
-seeds and 2,000 mutations.  Seeds that once failed stay below."""
+6 more per non-float32 dtype, 80 mutations of the example models and 20 of zoo exports; ``make fuzz`` (tools/fuzz.py) runs 10,000 fixed
+seeds, 2,000 mutations of the example models and 300 of zoo exports.  Seeds that once
+failed stay below."""
 import sys
 from pathlib import Path
 
@@ -60,6 +61,15 @@ def test_fuzzer_regressions(seed):
 @given(seed=st.integers(0, 10**6))
 def test_mutated_models_raise_only_apollo_errors(seed):
     from onnx_mutations import check_mutation
+    assert check_mutation(seed) is None
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(10**7, 10**7 + 10**6))
+def test_mutated_zoo_exports_raise_only_apollo_errors(seed):
+    from onnx_mutations import ZOO_SEED0, check_mutation
+    assert seed >= ZOO_SEED0
     assert check_mutation(seed) is None
 
 
