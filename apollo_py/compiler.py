@@ -26,7 +26,7 @@ def compile_graph(graph: Graph, options: Options):
 def _stage(progress, name: str, total: int = 0) -> None:
     """Start stage ``name``: the compile deadline is checked at every stage boundary."""
     from .deadline import check
-    check(progress.stage_name or "start")
+    check(progress.stage_name or "front end (before preprocess)")
     progress.stage(name, total)
 
 

@@ -38,9 +38,11 @@ class Deadline:
     def left(self) -> float:
         return self.end - time.monotonic()
 
-    def check(self, stage: str, where: str = "") -> None:
-        """CompileTimeoutError if the deadline has passed (``where``: the micro-graph/kernel)."""
+    def check(self, stage: str, where="") -> None:
+        """CompileTimeoutError if the deadline has passed (``where``: the micro-graph/kernel,
+        or a function that says it, called only then)."""
         if time.monotonic() > self.end:
+            where = where() if callable(where) else where
             what = f" of {self.what!r}" if self.what else ""
             at = f", at {where}" if where else ""
             err = CompileTimeoutError(f"compile{what} ran past Options.compile_timeout = {self.seconds:g} s "
@@ -65,7 +67,7 @@ def compile_deadline(options, what: str = ""):
         _CURRENT.reset(token)
 
 
-def check(stage: str, where: str = "") -> None:
+def check(stage: str, where="") -> None:
     """Raise CompileTimeoutError if the current compile is past its deadline (no-op without
     one; costs one ContextVar read and one clock read)."""
     d = _CURRENT.get()

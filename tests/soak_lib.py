@@ -144,16 +144,17 @@ def killed_compiles(model: Path, cache_dir: str, kills: int, seed: int = 0,
                     max_delay: float = 3.0) -> dict:
     """Start ``kills`` compiles of ``model`` (each in a fresh process, all into ``cache_dir``)
     and SIGKILL each after a random delay in [0, ``max_delay``) s counted from the moment it
-    starts compiling.  Returns ``{"killed", "finished", "problems", "stale"}``."""
+    starts compiling.  Returns ``{"killed", "finished", "started", "problems", "stale"}``
+    (``started``: children that reached the compile)."""
     rng = np.random.default_rng(seed)
     code = _CHILD.format(tests=str(ROOT / "tests"), model=str(model), cache=cache_dir, name=model.name,
                          zoo=str(model.parent))
     env = dict(os.environ, APOLLO_PY_CACHE_DIR=cache_dir)
-    killed = finished = 0
+    killed = finished = started = 0
     for _ in range(kills):
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              env=env, text=True)
-        p.stdout.readline()                     # "compiling": the compile starts now
+        started += p.stdout.readline().strip() == "compiling"     # the compile starts now
         time.sleep(float(rng.uniform(0, max_delay)))
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
@@ -162,5 +163,5 @@ def killed_compiles(model: Path, cache_dir: str, kills: int, seed: int = 0,
             finished += 1
         p.wait()
         p.stdout.close()
-    return {"killed": killed, "finished": finished, "problems": cache_problems(cache_dir),
+    return {"killed": killed, "finished": finished, "started": started, "problems": cache_problems(cache_dir),
             "stale": stale_files(cache_dir)}

@@ -17,7 +17,8 @@ import apollo_py as ap
 from apollo_py.cache import STALE_S, sweep_stale
 
 sys.path.insert(0, os.path.dirname(__file__))
-from soak_lib import SMALL_ZOO, as_list, cache_problems, killed_compiles, soak_calls, stale_files, zoo_feeds  # noqa: E402
+from soak_lib import (SMALL_ZOO, as_list, cache_problems, killed_compiles, soak_calls,  # noqa: E402
+                      stale_files, zoo_feeds)
 
 SMALL = "dlrm_small.dynamo.onnx"
 needs_small = pytest.mark.skipif(not (SMALL_ZOO / SMALL).exists(), reason="zoo small models not present")
@@ -91,7 +92,7 @@ def test_closed_pool_runs_jobs_on_the_caller():
 def test_killed_compiles_leave_nothing_half_written(tmp_path):
     cache = str(tmp_path / "cache")
     r = killed_compiles(SMALL_ZOO / SMALL, cache, kills=3, seed=1, max_delay=1.0)
-    assert r["killed"] + r["finished"] == 3
+    assert r["killed"] + r["finished"] == 3 and r["started"] == 3
     assert r["problems"] == [], r["problems"]
     # what a kill between a temp file's creation and its rename, or between an entry's two
     # files, leaves (too short a window to hit reliably by chance): made by hand here

@@ -2,8 +2,9 @@
 
 Graphs: seeds 0..N-1 of tests/fuzz_graphs.py (float32, float64, int32, int64 and bool graphs),
 compiled for "cpu" and compared with "reference".  Mutations: tests/onnx_mutations.py applied
-to the small example models and to zoo exports (tests/models/zoo); only ApolloError subclasses may come out, each naming the node or
-input (or, for truncated bytes and absurd opsets, the model).  Prints one line per failure and a summary; exit 1 on any.
+to the small example models and to zoo exports (tests/models/zoo); only ApolloError subclasses
+may come out, each naming the node or input (or, for truncated bytes and absurd opsets, the
+model).  Prints one line per failure and a summary; exit 1 on any.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def main(argv=None) -> int:
         if why:
             bad += 1
             print(why, flush=True)
-    print(f"mutations: {args.mutations} of example models + {args.zoo_mutations} of zoo exports tried, {bad} raw exceptions or errors naming no node/input, "
-          f"{time.perf_counter() - t1:.0f} s")
+    print(f"mutations: {args.mutations} of example models + {args.zoo_mutations} of zoo exports tried, "
+          f"{bad} raw exceptions or errors naming no node/input, {time.perf_counter() - t1:.0f} s")
     return 1 if failures or bad else 0
 
 

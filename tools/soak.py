@@ -101,7 +101,9 @@ def main(argv=None) -> int:
 
     kcache = tempfile.mkdtemp(prefix="apollo_soak_kill_")
     r = killed_compiles(SMALL_ZOO / "mobilenetv3_small.dynamo.onnx", kcache, args.kills, seed=0, max_delay=6.0)
-    results.append(_report("killed compiles", not r["problems"], f"{r['killed']} killed, {r['finished']} finished "
+    ok = not r["problems"] and r["started"] == args.kills
+    results.append(_report("killed compiles", ok, f"{r['started']} started compiling, {r['killed']} killed, "
+                           f"{r['finished']} finished "
                            f"before the kill, {len(r['problems'])} bad entries, {len(r['stale'])} stale files "
                            "(temp files / half entries, ignored by readers, swept after 10 min)"))
 

@@ -55,7 +55,7 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
     from ..deadline import check as check_deadline
     steps: list[StepSpec] = []
     for group in stitch_groups(micro_graphs, types):
-        check_deadline("layer 1 fusion", _micro_graph_label(micro_graphs, group))
+        check_deadline("layer 1 fusion", lambda: _micro_graph_label(micro_graphs, group))
         if progress is not None:
             progress.step(len(group))
         members = [micro_graphs[k] for k in group]
