@@ -75,6 +75,9 @@ class StepSpec:
         if self.gemm is not None:
             if kind == "c":
                 return f"; generated GEMM {self.gemm.name} has LLVM source only ({self.reason})"
+            from ..codegen.conv_direct import DirectConvDesc, render_direct_conv
+            if isinstance(self.gemm, DirectConvDesc):
+                return render_direct_conv(self.gemm)
             from ..codegen.gemm import render_gemm
             return render_gemm(self.gemm)
         if self.blas is not None:

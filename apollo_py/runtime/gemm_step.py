@@ -16,7 +16,7 @@ from ..errors import InputError
 
 @dataclass
 class GemmStep:
-    """One generated GEMM: ``compiled`` (CompiledGemm) computing ``outputs`` from ``inputs``."""
+    """One generated GEMM: ``compiled`` (CompiledGemm, or CompiledDirectConv for a direct conv) computing ``outputs`` from ``inputs``."""
 
     compiled: object
     inputs: tuple
@@ -28,8 +28,12 @@ class GemmStep:
         """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set), through the piecewise
         cache in ``cache_dir``."""
         import os
+        from ..codegen.conv_direct import DirectConvDesc, compile_direct_conv
         from ..codegen.gemm import compile_gemm
-        cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
+        if isinstance(spec.gemm, DirectConvDesc):
+            cg = compile_direct_conv(spec.gemm, cache_dir=cache_dir)
+        else:
+            cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
         return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason)
 
     def execute(self, env: dict, pool) -> None:
