@@ -23,6 +23,7 @@ class StepSpec:
     micro_graphs: tuple = field(default=())
     gemm: object = None     # codegen.gemm.GemmDesc: the generated GEMM runs ``nodes``
     blas: object = None     # blas_fold.BlasDesc: one cblas ?gemm call runs ``nodes`` (blas_fold.py)
+    const_inputs: tuple = ()    # inputs that are graph constants (a GEMM packs them once)
 
     def to_dict(self) -> dict:
         if self.blas is not None:

@@ -31,6 +31,10 @@ CASES = {
     "dw_mult2": ((1, 4, 9, 9), (8, 1, 3, 3), dict(pads=(1, 1, 1, 1), group=4, act="Relu")),
     "grouped": ((1, 12, 15, 17), (24, 3, 3, 3), dict(strides=(2, 1), pads=(1, 0, 2, 1), dilations=(2, 1), group=4,
                                                      act="SiLU")),
+    # squeeze-excitation 1x1 convs of a 1x1 image: matrix-vector kernels (K = 40, 200: lane tails)
+    "se_matvec": ((2, 40, 1, 1), (24, 40, 1, 1), dict(act="Relu")),
+    "se_matvec_hsig": ((1, 200, 1, 1), (37, 200, 1, 1), dict(bn=True, act="Sigmoid")),
+    "se_matvec_grouped": ((1, 8, 1, 1), (12, 2, 1, 1), dict(group=4)),
 }
 
 
@@ -60,7 +64,7 @@ def test_batchnorm_folded_into_weights(case):
     assert "mul" not in ops or ops[-1] == "mul" and ks[0].nodes[-2].op == "sigmoid", ops   # SiLU's mul only
 
 
-@pytest.mark.parametrize("case", ["dw3_pad_relu6", "dw5_s2", "dw_mult2", "grouped"])
+@pytest.mark.parametrize("case", ["dw3_pad_relu6", "dw5_s2", "dw_mult2", "grouped", "se_matvec"])
 def test_depthwise_and_grouped_conv_is_one_direct_kernel(case):
     f, _, _ = _run(case)
     ks = f.plan.kernels
@@ -91,3 +95,30 @@ def test_fold_keeps_chains_it_must_not_fold():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     ops = [n.op for k in f.plan.kernels for n in (k.nodes or getattr(k.fused, "nodes", ()))]
     assert ops.count("mul") == 2 and ops.count("conv") == 1, ops
+
+
+def test_constant_weight_packed_once_and_weight_as_input():
+    """A conv's constant weight is packed on the first call and reused (results still match on
+    new inputs); a weight that is a graph input is packed on every call."""
+    from onnx import TensorProto, helper
+    xs, ws, kw = CASES["bn_relu"]
+    m = conv_model(xs, ws, **kw)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        x = rng.standard_normal(xs).astype(np.float32)
+        want = ort_run(m, {"x": x})[0]
+        np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    step = f._last.steps[0]
+    assert step.const_inputs and step._packed is not None
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 9, 9]),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [12, 5, 3, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m2 = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    f2 = apollo_py.jit(m2, options=Options(num_threads=2))
+    for _ in range(2):
+        feeds = {"x": rng.standard_normal((1, 5, 9, 9)).astype(np.float32),
+                 "w": rng.standard_normal((12, 5, 3, 3)).astype(np.float32)}
+        np.testing.assert_allclose(f2(**feeds), ort_run(m2, feeds)[0], rtol=1e-4, atol=1e-4)
+    assert f2._last.steps[0]._packed is None
