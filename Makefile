@@ -35,7 +35,7 @@ fuzz: $(STAMP)
 # apollo_py.distributed on a two-node Ray cluster started on the loopback address (head + worker
 # node as separate processes; slow, so not in `make test`): tests/distributed/test_cluster.py
 distributed: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests/distributed $(PYTEST_ARGS)
+	APOLLO_PY_CLUSTER_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/distributed/test_cluster.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

@@ -103,6 +103,10 @@ class Worker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        return ray().get_runtime_context().get_node_id()
+
     def destroy(self) -> None:
         import ray.util.collective as col
         if self.group is not None and col.is_group_initialized(self.group):
