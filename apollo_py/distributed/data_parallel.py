@@ -53,13 +53,15 @@ class Worker:
         return os.getpid()
 
     def step(self, generation: int, args: tuple, kwargs: dict, weight: float):
-        """Gradients on this shard, summed over the group, then the update; returns
-        (global loss, errors [(rank-local message)], bytes all-reduced, seconds in the collective)."""
+        """Gradients on this shard, summed over the group, then the update; returns (global loss
+        or None, this worker's error or None, bytes all-reduced, seconds in the collective,
+        seconds of forward + backward + update)."""
         import ray.util.collective as col
         if generation != self.generation:
             raise _Stale(f"worker of generation {self.generation} got a step of generation {generation}")
         params = self.replica.params
         err = None
+        t_start = time.perf_counter()
         try:
             loss, grads = self.replica.grads(args, kwargs, weight)
         except Exception as e:   # reported through the collective, so no peer waits for us
@@ -93,9 +95,9 @@ class Worker:
         comm = time.perf_counter() - t0
         failed, global_loss = meta
         if failed:
-            return None, err or f"{failed} other worker(s) failed", total, comm
+            return None, err or f"{failed} other worker(s) failed", total, comm, 0.0
         self.replica.apply(summed)
-        return global_loss, None, total, comm
+        return global_loss, None, total, comm, time.perf_counter() - t_start - comm
 
     def state_dict(self) -> dict:
         return self.replica.state_dict()
@@ -172,7 +174,8 @@ class DataParallel:
         self.max_recoveries = max_recoveries
         self.recoveries = 0
         self.comm_bytes = 0          # bytes all-reduced by one worker at the last step
-        self.comm_seconds = 0.0      # its seconds inside the collective at the last step
+        self.comm_seconds = 0.0      # the slowest worker's seconds in the collective, last step
+        self.compute_seconds = 0.0   # the slowest worker's forward + backward + update, last step
         r = ensure_ray()
         self._spec_ref = r.put(spec)
         self._workers = [_actor_class().options(num_cpus=num_cpus).remote(self._spec_ref)
@@ -242,14 +245,14 @@ class DataParallel:
     def _run(self, args, kwargs):
         """One step on every worker: (loss, None) or (None, error message).  Raises Ray's errors
         when a worker died."""
-        r = ray()
         calls = [w.step.remote(self._gen, a, k, wt)
                  for w, (a, k, wt) in zip(self._workers, self._shards(args, kwargs))]
         outs = _get_all(calls)
-        errs = [e for _, e, _, _ in outs if e is not None]
+        errs = [o[1] for o in outs if o[1] is not None]
         if errs:
             return None, "; ".join(sorted(set(errs)))
         self.comm_bytes, self.comm_seconds = outs[0][2], max(o[3] for o in outs)
+        self.compute_seconds = max(o[4] for o in outs)
         return outs[0][0], None
 
     def step(self, *args, **kwargs) -> float:
