@@ -4,11 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup bench zoo clean fuzz soak
+.PHONY: demo test setup bench zoo clean fuzz soak distributed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	# the distributed extra (in dev) needs torch for its gloo collective: the CPU build first,
+	# else pip would pick a multi-GB CUDA build to satisfy it
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet 'torch==2.13.0'
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# a trained model for the test suite: silero-vad's wheel ships ONNX files (its torch
 	# dependency is not needed for them, hence --no-deps); tests/models/test_silero_vad.py
@@ -35,6 +38,11 @@ fuzz: $(STAMP)
 # RSS and open fds must stay flat (tolerances in tools/soak.py)
 soak: $(STAMP)
 	$(BIN)/python tools/soak.py
+
+# apollo_py.distributed on a two-node Ray cluster started on the loopback address (head + worker
+# node as separate processes; slow, so not in `make test`): tests/distributed/test_cluster.py
+distributed: $(STAMP)
+	APOLLO_PY_CLUSTER_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/distributed/test_cluster.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

@@ -27,3 +27,12 @@ from . import nn  # noqa: E402
 
 __all__ += ["cond", "export", "fori_loop", "grad", "nn", "optim", "stop_gradient", "train_step",
             "value_and_grad", "where"]
+
+
+def __getattr__(name):
+    # ``ap.distributed`` loads on first use: it needs the optional Ray extra, and
+    # ``import apollo_py`` never imports Ray
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'apollo_py' has no attribute {name!r}")
