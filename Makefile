@@ -29,8 +29,11 @@ test: $(STAMP)
 fuzz: $(STAMP)
 	$(BIN)/python tools/fuzz.py --graphs 10000 --mutations 2000
 
+# the benchmark table with every contender (benchmarks/README.md): the bench extra (jax, OpenVINO)
+# is installed here, never by `make test`; torch.compile runs where torch is installed
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -c "import jax, openvino" 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
 # The model zoo (benchmarks/zoo): export the full-size models once (~/.cache/apollo_py_zoo, or
 # $APOLLO_PY_ZOO_DIR; needs the zoo extra: torch, torchvision, timm, transformers, onnxscript),
