@@ -44,8 +44,11 @@ soak: $(STAMP)
 distributed: $(STAMP)
 	APOLLO_PY_CLUSTER_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/distributed/test_cluster.py $(PYTEST_ARGS)
 
+# the benchmark table with every contender (benchmarks/README.md): the bench extra (jax, OpenVINO)
+# is installed here, never by `make test`; torch.compile runs where torch is installed
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -c "import jax, openvino" 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
 # The model zoo (benchmarks/zoo): export the full-size models once (~/.cache/apollo_py_zoo, or
 # $APOLLO_PY_ZOO_DIR; needs the zoo extra: torch, torchvision, timm, transformers, onnxscript),
