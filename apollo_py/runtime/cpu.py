@@ -9,6 +9,7 @@ call borrows its own arena.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -98,6 +99,10 @@ class CpuExecutable:
         self._pool = thread_pool(num_threads)
         self.plan = plan
         self._schedule = self._dispatch_schedule()
+        if plan is not None and hasattr(plan, "launches"):     # str(plan) shows layer 3's groups
+            index = {id(s): k for k, s in enumerate(self.steps)}
+            self.plan = dataclasses.replace(plan, launches=tuple(
+                tuple(index[id(s)] for s in item) for kind, item in self._schedule if kind == "kernels"))
         self._fresh = {v: (graph.types[v].shape, graph.types[v].np_dtype) for s in self.steps
                        if _writes_buffers(s) for v in s.outputs if v not in self.memory.slots}
         self._inplace: dict[tuple, str] = {}
