@@ -103,6 +103,12 @@ class CpuExecutable:
         self._inplace: dict[tuple, str] = {}
         self._copy_out = tuple(v in self.memory.slots or v in self.constants or v in graph.inputs
                                or v in self._root for v in graph.outputs)
+        # the native driver (runtime/drive.py) runs runs of inline kernels and BLAS calls in
+        # one call; False (or a profiler's ``trace``) runs every step from Python instead
+        self.use_driver = True
+        self._program = None        # drive.Program, built on the first driven call
+        self._driver_fn = None
+        self._program_lock = threading.Lock()
 
     def _dispatch_schedule(self) -> list:
         """Steps in order, consecutive independent kernel steps merged into one dispatch.
@@ -187,17 +193,20 @@ class CpuExecutable:
         caller) receives them in place: kernels write into it directly, other steps' results
         are copied in."""
         out = out or {}
-        env: dict[str, np.ndarray] = dict(self.constants)
-        env.update(feeds)
         arena = self._arenas.acquire()
         try:
-            env.update(arena.views)     # every arena value, written before it is read
             trace = self.trace
-            for k, (kind, item) in enumerate(self._schedule):
-                t0 = time.perf_counter() if trace is not None else 0.0
-                self._dispatch(kind, item, env, out, arena)
-                if trace is not None:
-                    trace.append((k, time.perf_counter() - t0))
+            if self.use_driver and trace is None:
+                env = self._run_driven(feeds, out, arena)
+            else:
+                env: dict[str, np.ndarray] = dict(self.constants)
+                env.update(feeds)
+                env.update(arena.views)     # every arena value, written before it is read
+                for k, (kind, item) in enumerate(self._schedule):
+                    t0 = time.perf_counter() if trace is not None else 0.0
+                    self._dispatch(kind, item, env, out, arena)
+                    if trace is not None:
+                        trace.append((k, time.perf_counter() - t0))
             result = []
             for v, copy in zip(self.graph.outputs, self._copy_out):
                 a = env[v]
@@ -213,6 +222,32 @@ class CpuExecutable:
             return result
         finally:
             self._arenas.release(arena)
+
+    def _run_driven(self, feeds: Mapping, out: Mapping, arena) -> dict:
+        """Run the schedule with its driver segments as one native call each (runtime/drive.py);
+        returns the values by name (constants, arena views, feeds and what the steps made)."""
+        from . import drive
+        prog = self._program
+        if prog is None:
+            with self._program_lock:    # two first calls at once build it once
+                prog = self._program
+                if prog is None:
+                    from ..codegen.driver import data_offset, drive_function
+                    self._driver_fn = self._driver_fn or drive_function()
+                    self._offset = data_offset()
+                    prog = self._program = drive.build_program(self)
+        tables = arena.driver
+        if tables is None:
+            tables = arena.driver = drive.DriverTables(prog, arena, self.constants)
+        env = tables.env.copy()
+        env.update(feeds)
+        offset = self._offset
+        for kind, item in prog.entries:
+            if kind == "drive":
+                drive.run_segment(self, prog.segments[item], tables, item, env, out, arena, offset)
+            else:
+                self._dispatch(kind, item, env, out, arena)
+        return env
 
     def _bind_outputs(self, s, env, out, arena) -> None:
         fresh = self._fresh
