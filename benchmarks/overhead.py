@@ -8,8 +8,8 @@ Two models on tiny float32 tensors (issue 14, item 4):
 * ``add1``: one ``Add`` of a constant: one kernel, the fixed cost of a call.
 
 Each contender runs in this process, interleaved round-robin in blocks of calls, and the
-median over rounds of microseconds per call is reported (the machine may be shared: the load
-average is printed next to the numbers).  onnxruntime runs with all graph optimisations, 2
+median (and best) over rounds of microseconds per call is reported (the machine may be
+shared: the load average is printed next to the numbers).  onnxruntime runs with all graph optimisations, 2
 intra-op threads and no spinning (as in benchmarks/run.py); apollo with 2 threads.
 
     python benchmarks/overhead.py [--rounds 15] [--kernels 20] [--profile]
@@ -61,7 +61,8 @@ def ort_session(model, threads: int):
 
 
 def time_interleaved(fns: dict, rounds: int, calls: int) -> dict:
-    """Median microseconds per call of each function, ``calls`` calls per block, round-robin."""
+    """(median, best) microseconds per call of each function over rounds of ``calls`` calls,
+    the functions taking turns block by block."""
     for f in fns.values():
         for _ in range(10):
             f()
@@ -72,7 +73,7 @@ def time_interleaved(fns: dict, rounds: int, calls: int) -> dict:
             for _ in range(calls):
                 f()
             samples[k].append((time.perf_counter() - t0) / calls * 1e6)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
 
 
 def contenders(model, x, threads: int) -> dict:
@@ -94,8 +95,8 @@ def contenders(model, x, threads: int) -> dict:
 
 def main(argv=None) -> int:
     ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap_.add_argument("--rounds", type=int, default=15)
-    ap_.add_argument("--calls", type=int, default=200, help="calls per timed block")
+    ap_.add_argument("--rounds", type=int, default=21)
+    ap_.add_argument("--calls", type=int, default=100, help="calls per timed block")
     ap_.add_argument("--kernels", type=int, default=20)
     ap_.add_argument("--threads", type=int, default=2)
     ap_.add_argument("--profile", action="store_true")
@@ -108,8 +109,8 @@ def main(argv=None) -> int:
         fns, f = contenders(model, x, args.threads)
         kernels = len(f.plan.kernels)
         res = time_interleaved(fns, args.rounds, args.calls)
-        ort = res["onnxruntime"]
-        cells = "  ".join(f"{k} {v:7.2f} us ({v / ort:.2f}x)" for k, v in res.items())
+        ort = res["onnxruntime"][0]
+        cells = "  ".join(f"{k} {v:7.2f} us ({v / ort:.2f}x, best {b:.2f})" for k, (v, b) in res.items())
         print(f"{name:8s} ({kernels:2d} steps): {cells}")
         if args.profile:
             import cProfile

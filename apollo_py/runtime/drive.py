@@ -110,10 +110,11 @@ def _blas_words(step, index, root, types) -> list | None:
                    index(root.get(d.b, d.b)), ldb, index(d.out), d.n]
 
 
-def build_program(exe) -> Program:
-    """Split ``exe``'s schedule (a CpuExecutable) into driver segments and Python entries."""
+def build_program(exe, inline) -> Program:
+    """Split ``exe``'s schedule (a CpuExecutable) into driver segments and Python entries;
+    ``inline(step)`` says whether a schedule entry's single step is a kernel that runs on the
+    calling thread."""
     from .blas import BlasStep
-    from .cpu import KernelStep, _parts
     root = exe._root
     slots = exe.memory.slots
     graph = exe.graph
@@ -152,8 +153,7 @@ def build_program(exe) -> Program:
                        extra=0)
 
     for k, (kind, item) in enumerate(exe._schedule):
-        if kind == "kernels" and len(item) == 1 and isinstance(item[0], KernelStep) \
-                and _parts(item[0], exe.machine) <= 1:
+        if kind == "kernels" and len(item) == 1 and inline(item[0]):
             s = item[0]
             start(k)
             vals = [root.get(v, v) for v in s.param_values]
