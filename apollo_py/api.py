@@ -24,8 +24,17 @@ def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None,
         return model
     if isinstance(model, Graph):
         return GraphProgram(model)
+    import os
+    cache_dir = options.cache_dir if options is not None else None
+    if isinstance(model, (str, os.PathLike)) and cache_dir and options.target == "cpu":
+        # a model file: its name and inputs from the model cache's header, the nodes parsed
+        # only if no compile of it is stored (frontend/model_cache.py)
+        from .frontend.model_cache import model_program
+        program = model_program(model, cache_dir)
+        if program is not None:
+            return program
     from .frontend.onnx import load_onnx
-    return load_onnx(model, options.cache_dir if options is not None else None)
+    return load_onnx(model, cache_dir)
 
 
 class CompiledGraph:

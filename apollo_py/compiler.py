@@ -59,16 +59,29 @@ def _compile_graph(graph: Graph, options: Options):
                     notes=(cuda_note(steps, options),))
         return build_cuda_executable(graph, steps, plan, options)
     from .layers.blas_fold import fold_blas
-    from .runtime.blas import BlasStep, cblas
-    from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
+    from .runtime.blas import cblas
 
     _stage(progress, "layer 1 fusion", len(micro_graphs))
     specs = fold_blas(lower_micro_graphs(graph, micro_graphs, options, progress), graph,
                       blas_available=cblas() is not None)
+    return build_cpu_executable(graph, micro_graphs, tuple(specs), options, progress)
+
+
+def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, progress, machine=None):
+    """The CPU executable of lowered step ``specs`` (layer 1-3 results after BLAS folding): object
+    code from the piecewise cache (LLVM only for pieces it lacks), GEMM steps, the plan.
+
+    Shared by :func:`compile_graph` and the model cache's warm path (``frontend/model_cache.py``),
+    which stores ``graph``, ``micro_graphs`` and ``specs`` and skips every pass before this one.
+    ``machine``: the figures the steps were planned with (default: ``options``' figures).
+    """
+    from .runtime.blas import BlasStep
+    from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
+    from .runtime.gemm_step import GemmStep
+
     fused = [s.fused for s in specs if s.fused is not None]
     _stage(progress, "LLVM codegen", len(fused))
     compiled = iter(compile_kernels(fused, options.cache_dir, progress))
-    from .runtime.gemm_step import GemmStep
     _stage(progress, "GEMM codegen", sum(1 for s in specs if s.gemm is not None))
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
@@ -78,5 +91,7 @@ def _compile_graph(graph: Graph, options: Options):
     check("GEMM codegen", "after the last GEMM")
     progress.done()
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs), timings=tuple(progress.timings))
-    from .machine import resolve_machine
-    return CpuExecutable(graph, steps, plan, options.num_threads, resolve_machine(options), options)
+    if machine is None:
+        from .machine import resolve_machine
+        machine = resolve_machine(options)
+    return CpuExecutable(graph, steps, plan, options.num_threads, machine, options)
