@@ -163,16 +163,15 @@ def build_contenders(w, expected: list, target: str, threads: int):
         fns["ort-all out="] = NA(_short(exc))
 
     info["contender_compile_s"] = {}
-    for name, adapter in contenders.ADAPTERS.items():
+    adapters = {**contenders.ADAPTERS,
+                "openvino": lambda w, expected, threads: contenders.openvino(w.model, inputs, expected, threads)}
+    for name, adapter in adapters.items():
         try:
             fns[name], info["contender_compile_s"][name] = adapter(w, expected, threads)
         except NA as exc:
             fns[name] = exc
-    try:
-        fns["openvino"], info["contender_compile_s"]["openvino"] = contenders.openvino(
-            w.model, inputs, expected, threads)
-    except NA as exc:
-        fns["openvino"] = exc
+        except Exception as exc:  # noqa: BLE001 - a contender's own failure is a note, not fatal
+            fns[name] = NA(_short(exc))
 
     # apollo_py: every failure (import, front end, compile, run) is reported as n/a.
     try:
