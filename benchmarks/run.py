@@ -296,8 +296,25 @@ def markdown_table(rows: list) -> str:
     return "\n".join([line(HEADER), sep] + [line(r) for r in rows])
 
 
+def summary_line(results: list) -> str | None:
+    """Issue #14's yardstick over the run: apollo against the fastest of ort-all, jax.jit and
+    torch.compile per row (geomean, and the rows where apollo is slower)."""
+    ratios = []
+    for r in results:
+        t = {k: (v["median_s"] if v else None) for k, v in r["times"].items()}
+        rivals = [t[k] for k in RIVALS if t.get(k)]
+        if t.get("apollo") and rivals:
+            ratios.append((t["apollo"] / min(rivals), f"{r['name']} {r.get('form', '')}".strip()))
+    if not ratios:
+        return None
+    geo = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+    slower = [f"{n} ({x:.2f})" for x, n in ratios if x > 1]
+    return (f"- apollo/best: geomean {geo:.2f} over {len(ratios)} rows; slower than the best in "
+            f"{len(slower)}" + (": " + ", ".join(slower) if slower else ""))
+
+
 def notes_text(results: list) -> list:
-    out = []
+    out = [x for x in [summary_line(results)] if x]
     for r in results:
         for k in CONTENDERS:
             why = r["na"].get(k)
