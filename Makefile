@@ -56,6 +56,8 @@ bench: $(STAMP)
 zoo: $(STAMP)
 	$(BIN)/python -c "import torch, torchvision, timm, transformers, onnxscript" 2>/dev/null \
 		|| $(BIN)/python -m pip install --quiet -e '.[dev,zoo]'
+	# OpenVINO-f32 column of the zoo table (the bench extra; torch.compile comes with the zoo extra)
+	$(BIN)/python -c "import openvino" 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	# trained PP-OCR models (paddle2onnx exports) ship in this wheel; only its .onnx files are used
 	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('rapidocr_onnxruntime') is None)" \
 		|| $(BIN)/python -m pip install --quiet --no-deps 'rapidocr-onnxruntime==1.4.4'

@@ -163,16 +163,15 @@ def build_contenders(w, expected: list, target: str, threads: int):
         fns["ort-all out="] = NA(_short(exc))
 
     info["contender_compile_s"] = {}
-    for name, adapter in contenders.ADAPTERS.items():
+    adapters = {**contenders.ADAPTERS,
+                "openvino": lambda w, expected, threads: contenders.openvino(w.model, inputs, expected, threads)}
+    for name, adapter in adapters.items():
         try:
             fns[name], info["contender_compile_s"][name] = adapter(w, expected, threads)
         except NA as exc:
             fns[name] = exc
-    try:
-        fns["openvino"], info["contender_compile_s"]["openvino"] = contenders.openvino(
-            w.model, inputs, expected, threads)
-    except NA as exc:
-        fns["openvino"] = exc
+        except Exception as exc:  # noqa: BLE001 - a contender's own failure is a note, not fatal
+            fns[name] = NA(_short(exc))
 
     # apollo_py: every failure (import, front end, compile, run) is reported as n/a.
     try:
@@ -297,8 +296,25 @@ def markdown_table(rows: list) -> str:
     return "\n".join([line(HEADER), sep] + [line(r) for r in rows])
 
 
+def summary_line(results: list) -> str | None:
+    """Issue #14's yardstick over the run: apollo against the fastest of ort-all, jax.jit and
+    torch.compile per row (geomean, and the rows where apollo is slower)."""
+    ratios = []
+    for r in results:
+        t = {k: (v["median_s"] if v else None) for k, v in r["times"].items()}
+        rivals = [t[k] for k in RIVALS if t.get(k)]
+        if t.get("apollo") and rivals:
+            ratios.append((t["apollo"] / min(rivals), f"{r['name']} {r.get('form', '')}".strip()))
+    if not ratios:
+        return None
+    geo = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+    slower = [f"{n} ({x:.2f})" for x, n in ratios if x > 1]
+    return (f"- apollo/best: geomean {geo:.2f} over {len(ratios)} rows; slower than the best in "
+            f"{len(slower)}" + (": " + ", ".join(slower) if slower else ""))
+
+
 def notes_text(results: list) -> list:
-    out = []
+    out = [x for x in [summary_line(results)] if x]
     for r in results:
         for k in CONTENDERS:
             why = r["na"].get(k)

@@ -364,10 +364,26 @@ def table(rows: list) -> str:
     return "\n".join(out)
 
 
+def summary(rows: list) -> str:
+    """Issue #14's zoo yardsticks: geomean and worst of apollo/ort-all and apollo/ov-f32 over the
+    models that have both times."""
+    import math
+    out = []
+    for label, key in (("ort-all", "ort_all_ms"), ("ov-f32", "ov_ms"), ("torch.compile", "tc_ms")):
+        ratios = [(r["warm"]["apollo_ms"] / r["warm"][key], r["model"]) for r in rows
+                  if r.get("warm", {}).get("apollo_ms") and r["warm"].get(key)]
+        if ratios:
+            geo = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+            worst = max(ratios)
+            out.append(f"- apollo/{label}: geomean {geo:.2f} over {len(ratios)} models, "
+                       f"max {worst[0]:.2f} ({worst[1]})")
+    return "\n".join(out)
+
+
 def table_notes(rows: list) -> str:
-    """Why an optional contender's cell is empty, per model."""
-    return "\n".join(f"- {r['model']} / {k}: {why}" for r in rows
-                     for k, why in (r.get("warm", {}).get("notes") or {}).items())
+    """The summary line, then why an optional contender's cell is empty, per model."""
+    return "\n".join([summary(rows)] + [f"- {r['model']} / {k}: {why}" for r in rows
+                                        for k, why in (r.get("warm", {}).get("notes") or {}).items()]).strip()
 
 
 def main(argv=None) -> int:

@@ -95,3 +95,28 @@ def test_adapter_rejects_a_wrong_result():
     wrong = [_one(_ort(w.model, w.inputs)) + np.float32(0.01)]
     with pytest.raises(contenders.NA, match="WRONG RESULT"):
         contenders.jax_jit(w, wrong, threads=2)
+
+
+def test_run_table_picks_the_fastest_rival_and_summarises():
+    """run.py's apollo/best column and summary line: apollo against the fastest of ort-all,
+    jax.jit and torch.compile in the row (contenders that are n/a are left out)."""
+    import run
+
+    def times(**ms):
+        return {k: ({"median_s": v / 1e3, "samples_s": [v / 1e3]} if v is not None else None)
+                for k, v in ms.items()}
+    base = {"floor_s": 1e-3, "compile_s": 0.1, "triad_gbps": 10.0, "sgemm_gflops": 100.0}
+    results = [
+        {**base, "name": "a[1]", "form": "exporter",
+         "times": times(**{"ort-all": 2.0, "jax.jit": 1.0, "torch.compile": None, "apollo": 1.5})},
+        {**base, "name": "b[1]", "form": "",
+         "times": times(**{"ort-all": 4.0, "jax.jit": None, "torch.compile": 5.0, "apollo": 2.0})},
+    ]
+    head = run.HEADER
+    rows = run.table_rows(results)
+    col = {h: i for i, h in enumerate(head)}
+    assert [r[col["best"]] for r in rows] == ["jax.jit", "ort-all"]
+    assert [r[col["apollo/best"]] for r in rows] == ["1.50", "0.50"]
+    assert rows[1][col["form"]] == "-" and rows[0][col["openvino"]] == "n/a"
+    line = run.summary_line(results)
+    assert "geomean 0.87 over 2 rows" in line and "slower than the best in 1: a[1] exporter (1.50)" in line
