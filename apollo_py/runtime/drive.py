@@ -140,8 +140,9 @@ def build_program(exe, inline) -> Program:
                 t = graph.types[v]
                 dyn.append((v, index[v], np.dtype(t.np_dtype), int(np.prod(t.shape, dtype=np.int64))))
             prog = (ctypes.c_int64 * len(words))(*words)
-            segments.append(Segment(prog, len(cur["steps"]) + cur["extra"], max(1, cur["maxargs"]), tuple(cur["fresh"]),
-                                    tuple(cur["views"]), tuple(dyn), tuple(cur["steps"]), cur["first"]))
+            segments.append(Segment(prog, len(cur["steps"]) + cur["extra"], max(1, cur["maxargs"]),
+                                    tuple(cur["fresh"]), tuple(cur["views"]), tuple(dyn),
+                                    tuple(cur["steps"]), cur["first"]))
             entries.append(("drive", len(segments) - 1))
         elif cur.get("views"):      # reshapes with no kernel after them: run as usual
             entries.extend(cur["pending"])
