@@ -39,7 +39,7 @@ def main():
         ray.init(num_cpus=2, include_dashboard=False)
     model = mlp_onnx()
     rng = np.random.default_rng(0)
-    centers = rng.standard_normal((10, 64)).astype(np.float32) * 2
+    centers = rng.standard_normal((10, 64)).astype(np.float32) * 0.3
     batches = []
     for _ in range(40):
         y = rng.integers(0, 10, 256)
@@ -52,7 +52,7 @@ def main():
         losses = dp.fit([{"labels": y, "x": x} for x, y in batches])
         sd = dp.state_dict()
         dp.shutdown()
-        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {sd['step']} steps, "
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {sd['step']} steps, "
               f"{dp.recoveries} recoveries; checkpoint at {ckpt}/checkpoint.npz")
     one = ap.train_step(model, optimizer=opt)
     for x, y in batches:

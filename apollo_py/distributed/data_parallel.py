@@ -176,6 +176,8 @@ class DataParallel:
         self.comm_bytes = 0          # bytes all-reduced by one worker at the last step
         self.comm_seconds = 0.0      # the slowest worker's seconds in the collective, last step
         self.compute_seconds = 0.0   # the slowest worker's forward + backward + update, last step
+        self.worker_seconds = 0.0    # the longest worker's compute + collective, last step (the
+                                     # rest of the step's wall time is Ray's: calls, transfers)
         r = ensure_ray()
         self._spec_ref = r.put(spec)
         self._workers = [_actor_class().options(num_cpus=num_cpus).remote(self._spec_ref)
@@ -253,6 +255,7 @@ class DataParallel:
             return None, "; ".join(sorted(set(errs)))
         self.comm_bytes, self.comm_seconds = outs[0][2], max(o[3] for o in outs)
         self.compute_seconds = max(o[4] for o in outs)
+        self.worker_seconds = max(o[3] + o[4] for o in outs)
         return outs[0][0], None
 
     def step(self, *args, **kwargs) -> float:

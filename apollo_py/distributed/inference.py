@@ -1,7 +1,8 @@
 """Batch inference on Ray Data: ``predictor(model, options)`` for ``Dataset.map_batches``.
 
 ``predictor`` returns a callable class; Ray Data builds one instance per actor, which compiles
-the model once (``ap.jit``) and then serves every batch that actor gets.  Batches are dicts of
+the model once (``ap.jit``; at construction for the example batch's shapes when ``example=``
+is given) and then serves every batch that actor gets.  Batches are dicts of
 numpy arrays (``batch_format="numpy"``): the model's inputs are read from the columns of the
 same names, its outputs are added as columns of their names, every other column (an id, say)
 is passed through.  Symbolic batch dims are specialised per batch shape, as ``ap.jit`` does; a
@@ -56,6 +57,7 @@ class _PredictorBase:
     _pieces: Any = None         # ObjectRef of the packed cache files, or None
     _options: Options | None = None
     _index_column: str | None = None
+    _warm: dict | None = None   # input name -> (shape, dtype) of the example batch
 
     def __init__(self):
         r = ray()
@@ -64,6 +66,8 @@ class _PredictorBase:
         if self._pieces is not None:
             self.pieces_written = unpack(r.get(self._pieces), options.cache_dir)
         self.fn = jit(r.get(self._model), options=options)
+        if self._warm:   # compile now (from the shipped pieces), not inside the first batch
+            self.fn(**{k: np.zeros(s, d) for k, (s, d) in self._warm.items()})
         self.batches = 0
 
     def _label(self, batch) -> str:
@@ -102,6 +106,8 @@ def predictor(model, options: Options | None = None, *, example: Mapping[str, np
 
     ``example``: a batch (dict of input arrays) the driver compiles for and ships (see the
     module docs); ``ship``: force shipping (needs ``example``) or the shared cache (False).
+    ``options.num_threads`` is each actor's thread count (None: every core of its node; match
+    it to the actors' ``num_cpus``, as :func:`predict` does).
     ``index_column``: a column that names rows in error messages.  Ray is started if needed.
     """
     r = ensure_ray()
@@ -122,8 +128,10 @@ def predictor(model, options: Options | None = None, *, example: Mapping[str, np
             fn = jit(portable, options=dataclasses.replace(options, cache_dir=tmp))
             fn(**{k: np.ascontiguousarray(v) for k, v in example.items()})
             pieces = r.put(pack(tmp))
+    warm = None if example is None else {k: (np.shape(v), np.asarray(v).dtype.str)
+                                         for k, v in example.items()}
     attrs = {"_model": r.put(portable), "_pieces": pieces, "_options": options,
-             "_index_column": index_column}
+             "_index_column": index_column, "_warm": warm}
     return type("ApolloPredictor", (_PredictorBase,), attrs)
 
 
@@ -134,6 +142,9 @@ def predict(dataset, model, options: Options | None = None, *, num_actors: int =
     output rows follow the input rows (``preserve_order`` is set on the data set's DataContext,
     which Ray Data captures when a data set is created and shares with the data sets derived
     from it).  Returns the lazy Dataset."""
+    options = options if options is not None else Options()
+    if options.num_threads is None:   # each actor's runtime threads: its CPUs, not every core
+        options = dataclasses.replace(options, num_threads=max(1, int(num_cpus)))
     cls = predictor(model, options, example=example, ship=ship, index_column=index_column)
     out = dataset.map_batches(cls, concurrency=num_actors, batch_size=batch_size,
                               batch_format="numpy", num_cpus=num_cpus)

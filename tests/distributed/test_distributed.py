@@ -150,3 +150,16 @@ def test_import_apollo_py_does_not_import_ray():
             "ap.distributed.DataParallel; assert 'ray' not in sys.modules; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_predictor_reports_a_batch_that_fails_twice_by_its_rows():
+    from apollo_py.distributed import predictor
+    cls = predictor(mlp_onnx(mlp_weights((32, 24, 10))), ship=False, index_column="id")
+    p = cls()   # what each Ray Data actor does, here in the driver
+    good = {"id": np.arange(4), "x": np.ones((4, 32), np.float32)}
+    out = p(good)
+    assert sorted(out) == ["id", "logits"] and out["logits"].shape == (4, 10)
+    with pytest.raises(BatchFailedError, match=r"rows id=np.int64\(10\)..np.int64\(13\) failed twice|"
+                                               r"rows id=10..13 failed twice") as e:
+        p({"id": np.arange(10, 14), "x": np.ones((4, 31), np.float32)})   # wrong width
+    assert "10" in str(e.value.index)
