@@ -86,7 +86,11 @@ def _direct_conv(head: Node, types, options: Options) -> str:
     if types[head.inputs[0]].shape[2:] == (1, 1) and (kh, kw) == (1, 1) \
             and types[head.outputs[0]].shape[2:] == (1, 1):
         return f"1x1 conv of a 1x1 image: matrix-vector product of {cg} terms per output"
-    if group == 1 or cg * kh * kw > MAX_TAPS:
+    cgo = types[head.inputs[1]].shape[0] // max(group, 1)
+    # measured (interleaved, shared box at load ~20, direct / implicit-GEMM time): 3x3 convs
+    # with 1, 2, 4 channels per group in and out 0.03, 0.03, 0.65; 8 in and out 1.22 -- the
+    # GEMM's micro-tile fills once a group has 8 output rows sharing its packed input
+    if group == 1 or cg * kh * kw > MAX_TAPS or cg * cgo >= 64:
         return ""
     kind = "depthwise" if cg == 1 else f"{group} groups of {cg} channels"
     return f"{kind}, {cg * kh * kw} taps: an implicit GEMM per group would fill its micro-tile with {types[head.inputs[1]].shape[0] // group} row(s)"

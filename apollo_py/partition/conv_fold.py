@@ -33,15 +33,16 @@ def _channel_vector(arr: np.ndarray, rank: int, channels: int):
     return np.broadcast_to(arr.reshape(shape[1]).astype(np.float64), (channels,))
 
 
-def fold_conv_affine(graph: Graph) -> Graph:
+def fold_conv_affine(graph: Graph, rebuild) -> Graph:
     """Fold every per-channel ``add``/``sub``/``mul``/``div``-by-constant chain that follows a
     conv with a constant weight (each link the only consumer of the previous value, not a graph
     output, same type as the conv output) into the weight and one bias ``add``.
 
     Expects a verified graph with constants already folded; returns a verified graph with the
     same inputs and outputs (the graph itself when there is nothing to fold).  A chain that is a
-    single ``add`` (already the bias form) is left alone."""
-    from .preprocess import _rebuild
+    single ``add`` (already the bias form) is left alone.  ``rebuild(graph, nodes, {})`` is
+    preprocess's ``_rebuild`` (passed in: this module must not import preprocess, which
+    imports it)."""
     consts = {n.outputs[0]: n.attrs["value"].array for n in graph.nodes if n.op == "constant"}
     users: dict[str, list] = {}
     for n in graph.nodes:
@@ -112,4 +113,4 @@ def fold_conv_affine(graph: Graph) -> Graph:
         if id(n) in drop:
             continue
         nodes.extend(replace.get(id(n), [n]))
-    return _rebuild(graph.replace(types=types), nodes, {})
+    return rebuild(graph.replace(types=types), nodes, {})

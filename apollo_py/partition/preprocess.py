@@ -200,7 +200,12 @@ def simplify_algebra(graph: Graph) -> Graph:
     return _rebuild(graph, nodes, repl)
 
 
-from .conv_fold import fold_conv_affine  # noqa: E402  (uses _rebuild above)
+def fold_conv_affine(graph: Graph) -> Graph:
+    """BatchNorm / per-channel affine chains after a conv folded into its constant weight and
+    one bias add (partition/conv_fold.py)."""
+    from .conv_fold import fold_conv_affine as fold
+    return fold(graph, _rebuild)
+
 
 PASSES: tuple[Callable[[Graph], Graph], ...] = (fold_constants, fold_conv_affine, simplify_algebra,
                                                  eliminate_common_subexpressions, eliminate_dead_code)
