@@ -34,7 +34,8 @@ class GemmStep:
 
     def execute(self, env: dict, pool) -> None:
         d = self.compiled.desc
-        a_name, b_name = self.inputs[0], self.inputs[1]
+        # the head's operands by name (inputs are deduplicated: x @ x has one)
+        a_name, b_name = d.a_value or self.inputs[0], d.b_value or self.inputs[1]
 
         def arr(v):
             a = env[v]
@@ -49,8 +50,8 @@ class GemmStep:
             raise InputError(f"generated GEMM {d.name}: operands {a_name!r}, {b_name!r} must be float32, "
                              f"got {a.dtype}, {b.dtype}")
         ops = [arr(o.value) for o in d.operands]
-        outs = [np.empty(d.out_shape, dt) for dt in d.out_dtypes]
+        outs = [np.empty(d.stored_shape, dt) for dt in d.out_dtypes]
         if prod(d.out_shape):
             self.compiled.run(pool, a, b, ops, outs)
-        for v, o in zip(d.outputs, outs):
+        for v, o in zip(d.stored_as or d.outputs, outs):
             env[v] = o
