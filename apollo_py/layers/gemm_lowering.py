@@ -11,7 +11,8 @@ The dispatch rule for float32 matmul (``Options.gemm == "auto"``, :func:`auto_bl
   kernel over batch x tiles, where BLAS would need a numpy loop of calls;
 * a thin product (``N < THIN_N``) runs through BLAS: the micro-tile is 32 columns wide, and
   the generated GEMM measured 0.06-0.12x of sgemm at ``[1024,1024]@[1024,1]``;
-* a constant right operand (a weight) runs on the generated GEMM with B packed once: on the
+* a constant right operand (a weight) with at least ``SMALL_MNK`` multiply-adds runs on the
+  generated GEMM with B packed once (smaller ones stay on BLAS: one thread there, no compile): on the
   zoo's linear layers (benchmarks/gemm_shapes.py, shared 2-core box) it measured within
   0.7-1.35x of onnxruntime's time, while OpenBLAS's two threads, which spin and yield on a
   loaded machine, took 3-30x onnxruntime's;
@@ -89,6 +90,10 @@ def _batched_b(ys: tuple) -> bool:
 #: right operands narrower than this run through BLAS: the micro-tile is 32 (AVX-512) or 16
 #: columns wide, so a thinner product wastes most of every vector FMA
 THIN_N = 16
+#: constant-weight products with fewer multiply-adds stay on BLAS: OpenBLAS's own threshold for
+#: using one thread (65536 * GEMM_MULTITHREAD_THRESHOLD), and below it a generated GEMM's
+#: compile (~0.5 s) buys microseconds
+SMALL_MNK = 1 << 18
 
 
 def auto_blas_reason(xs: tuple, ys: tuple, b_const: bool) -> str:
@@ -100,6 +105,10 @@ def auto_blas_reason(xs: tuple, ys: tuple, b_const: bool) -> str:
     if n < THIN_N:
         return (f"thin product (N = {n} < {THIN_N}: BLAS measured faster, [1024,1024]@[1024,1] generated "
                 "0.06-0.12x of sgemm); Options(gemm='generated') forces it")
+    mnk = prod(xs[:-1]) * (ys[-2] if len(ys) > 1 else ys[0]) * n
+    if b_const and mnk < SMALL_MNK:
+        return (f"small product ({mnk} multiply-adds < {SMALL_MNK}: OpenBLAS runs it on one thread, and a "
+                "generated GEMM would cost a compile for microseconds); Options(gemm='generated') forces it")
     if not b_const:
         return ("right operand not a constant, so the generated GEMM would pack it on every call: BLAS measured "
                 "faster then (one sgemm with transposes and updates folded; 1024^3 generated 0.85-0.93x); "

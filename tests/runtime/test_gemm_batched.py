@@ -212,7 +212,7 @@ def test_same_product_in_two_layers_is_one_piece():
     x = b.input("x", (5, 24))
     h = b.relu(b.matmul(x, b.constant(w1)) + b.constant(bias))
     y = b.relu(b.matmul(h, b.constant(w2)) + b.constant(bias))
-    f = ap.jit(b.build([y]), target="cpu")
+    f = ap.jit(b.build([y]), target="cpu", options=ap.Options(gemm="generated"))
     gemms = [k.gemm for k in f.plan.kernels if k.gemm is not None]
     assert len(gemms) == 2, str(f.plan)
     from apollo_py.codegen.gemm import canonical
@@ -220,3 +220,20 @@ def test_same_product_in_two_layers_is_one_piece():
     xv = _rand(rng, 5, 24)
     h64 = np.maximum(xv.astype(np.float64) @ w1 + bias, 0)
     _check(f(xv), np.maximum(h64 @ w2 + bias, 0))
+
+
+@pytest.mark.parametrize("xs,ws,kind,why", [
+    ((5, 24), (24, 24), "blas", "small product"),
+    ((128, 256), (256, 64), "gemm", "constant right operand, packed once"),
+    ((128, 256), (256, 8), "blas", "thin product"),
+])
+def test_auto_rule_for_constant_weights(xs, ws, kind, why):
+    rng = np.random.default_rng(14)
+    w = _rand(rng, *ws)
+    f = ap.jit(_matmul_graph(xs, ws, const=w), target="cpu")
+    from apollo_py.runtime.blas import cblas
+    if kind == "blas" and cblas() is None:
+        kind = "reference"
+    assert _kinds(f) == [kind] and why in str(f.plan), str(f.plan)
+    x = _rand(rng, *xs)
+    _check(f(x), x.astype(np.float64) @ w)
