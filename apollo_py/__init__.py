@@ -5,7 +5,7 @@ Public API: :func:`jit` (ONNX models, Graphs, and numpy-style Python functions),
 :class:`GraphBuilder`, :class:`Graph`, :class:`Options` and the error classes.  Heavy modules
 (onnx, islpy, llvmlite, pycuda) load on first use.
 """
-from .errors import (ApolloError, CompileError, GraphError, InputError, ModelLoadError, OptionsError,
+from .errors import (ApolloError, CompileError, CompileTimeoutError, GraphError, InputError, ModelLoadError, OptionsError,
                      ResourceError, RuleError, ShapeError, TraceError, UnsupportedOpError)
 from .machine import Machine
 from .options import Options
@@ -15,7 +15,7 @@ from .api import CompiledGraph, explain, jit
 
 __version__ = "0.1.0"
 
-__all__ = ["ApolloError", "CompileError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
+__all__ = ["ApolloError", "CompileError", "CompileTimeoutError", "CompiledGraph", "Graph", "GraphBuilder", "GraphError",
            "InputError", "Machine", "ModelLoadError", "Options", "OptionsError", "ResourceError", "RuleError", "ShapeError",
            "TensorType", "TraceError", "UnsupportedOpError", "explain", "jit", "__version__"]
 
@@ -27,3 +27,12 @@ from . import nn  # noqa: E402
 
 __all__ += ["cond", "export", "fori_loop", "grad", "nn", "optim", "stop_gradient", "train_step",
             "value_and_grad", "where"]
+
+
+def __getattr__(name):
+    # ``ap.distributed`` loads on first use: it needs the optional Ray extra, and
+    # ``import apollo_py`` never imports Ray
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'apollo_py' has no attribute {name!r}")

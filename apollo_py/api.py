@@ -24,8 +24,17 @@ def load_program(model: Any, input_shapes: Mapping[str, tuple] | None = None,
         return model
     if isinstance(model, Graph):
         return GraphProgram(model)
+    import os
+    cache_dir = options.cache_dir if options is not None else None
+    if isinstance(model, (str, os.PathLike)) and cache_dir and options.target == "cpu":
+        # a model file: its name and inputs from the model cache's header, the nodes parsed
+        # only if no compile of it is stored (frontend/model_cache.py)
+        from .frontend.model_cache import model_program
+        program = model_program(model, cache_dir)
+        if program is not None:
+            return program
     from .frontend.onnx import load_onnx
-    return load_onnx(model, options.cache_dir if options is not None else None)
+    return load_onnx(model, cache_dir)
 
 
 class CompiledGraph:
@@ -54,10 +63,14 @@ class CompiledGraph:
         self._last_key = None               # and its shape key
         self._lock = threading.Lock()       # guards _cache, _last and _compiling
         self._compiling: dict[tuple, threading.Lock] = {}   # shape key -> lock held while compiling
+        self._names = tuple(s.name for s in program.inputs)
+        # (shapes, dtypes, executable) of the last call made with positional C-contiguous arrays:
+        # a call with the same signature skips binding, validation and the cache lookup
+        self._fast = None
 
     @property
     def input_names(self) -> list[str]:
-        return [s.name for s in self.program.inputs]
+        return list(self._names)
 
     @property
     def output_names(self) -> list[str]:
@@ -174,8 +187,22 @@ class CompiledGraph:
         (``apollo_py.runtime.memory.aligned_empty``) are written fastest: ``np.empty`` gives 16,
         which splits every 64-byte vector store (softmax [768,128,128]: 2.9-3.2 ms against 2.5-2.6).
         """
-        feeds = self._bind(args, kwargs)
-        exe = self.specialization({k: v.shape for k, v in feeds.items()})
+        fast, feeds = self._fast, None
+        if fast is not None and not kwargs and len(args) == len(fast[0]):
+            for a, shape, dtype in zip(args, fast[0], fast[1]):
+                if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype \
+                        or not a.flags.c_contiguous:
+                    break
+            else:   # the signature of a call that passed every check of _bind
+                feeds, exe = dict(zip(self._names, args)), fast[2]
+                if out is None:
+                    return list(exe.run(feeds))
+        if feeds is None:
+            feeds = self._bind(args, kwargs)
+            exe = self.specialization({k: v.shape for k, v in feeds.items()})
+            if not kwargs and len(args) == len(self._names) \
+                    and all(type(a) is np.ndarray and a is feeds[n] for a, n in zip(args, self._names)):
+                self._fast = (tuple(a.shape for a in args), tuple(a.dtype for a in args), exe)
         if out is None:
             return list(exe.run(feeds))
         dest = self._bind_out(out, exe.graph if hasattr(exe, "graph") else None, feeds)

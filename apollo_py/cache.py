@@ -28,6 +28,9 @@ from .fsutil import atomic_write
 
 #: default cap on the object code kept on disk per cache directory
 DISK_MAX_BYTES = 1 << 30
+#: a temp file or half entry this old is left over from a killed process (a live writer renames
+#: its temp file within milliseconds), so the sweep may delete it
+STALE_S = 600.0
 
 
 @lru_cache(maxsize=None)
@@ -165,7 +168,10 @@ class PieceCache:
 
     def _evict(self) -> None:
         """Count the payload on disk; over ``max_bytes``, delete least recently used entries
-        until it is under 90% of the cap."""
+        until it is under 90% of the cap.  (Runs at a process's first write, so stale files
+        of killed processes are swept then too.)"""
+        if self._disk_bytes is None:
+            sweep_stale(self.directory)
         entries = self._entries()
         total = sum(size for _, size, _ in entries)
         if total > self.max_bytes:
@@ -207,3 +213,33 @@ class PieceCache:
         if self.directory:
             shutil.rmtree(os.path.join(self.directory, "pieces"), ignore_errors=True)
         return n
+
+
+def sweep_stale(directory: str | None, older_than: float = STALE_S) -> list[str]:
+    """Delete what a process killed mid-write (SIGKILL, power loss) leaves in a cache directory,
+    once it is ``older_than`` seconds old: ``fsutil.atomic_write`` temp files (``.tmp-*``,
+    anywhere under ``directory``) and piece entries with only one of their two files (the
+    ``.bin`` is written before the ``.json``).  Readers already ignore both (a piece is read
+    through its ``.json``, whose checksum covers the ``.bin``); this only reclaims the space.
+    Returns the paths deleted."""
+    import time
+    gone: list[str] = []
+    if not directory or not os.path.isdir(directory):
+        return gone
+    cutoff = time.time() - older_than
+    for dirpath, _, files in os.walk(directory):
+        names = set(files)
+        in_pieces = os.path.basename(os.path.dirname(dirpath)) == "pieces"
+        for f in files:
+            half = in_pieces and ((f.endswith(".bin") and f[:-4] + ".json" not in names)
+                                  or (f.endswith(".json") and f[:-5] + ".bin" not in names))
+            if not (f.startswith(".tmp-") or half):
+                continue
+            path = os.path.join(dirpath, f)
+            try:
+                if os.stat(path).st_mtime <= cutoff:
+                    os.unlink(path)
+                    gone.append(path)
+            except OSError:
+                continue        # renamed or removed by its writer meanwhile
+    return gone

@@ -254,6 +254,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="apollo-py", description="apollo_py fusion compiler")
     p.add_argument("--target", default=None, help="cpu (default) | reference | cuda | cuda-emu")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop a compile that runs longer (Options.compile_timeout)")
     p.add_argument("--rules-overlay", default=None,
                    help="rule overlay to compile with (default <cache-dir>/rules_overlay.toml when it exists)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -309,6 +311,8 @@ def main(argv=None) -> int:
             opts = opts.replace(target=target)          # OptionsError for a bad --target
         if args.cache_dir:
             opts = opts.replace(cache_dir=args.cache_dir)
+        if args.compile_timeout is not None:
+            opts = opts.replace(compile_timeout=args.compile_timeout)     # OptionsError if <= 0
         if args.rules_overlay:
             opts = opts.replace(rules_overlay=args.rules_overlay)
         elif args.cmd != "feedback" and os.path.exists(default_overlay_path(opts)):

@@ -14,16 +14,32 @@ from .plan import Plan
 
 
 def compile_graph(graph: Graph, options: Options):
-    """Compile a static-shape primitive graph into an executable with ``.run(feeds)`` and ``.plan``."""
+    """Compile a static-shape primitive graph into an executable with ``.run(feeds)`` and ``.plan``.
+
+    Under ``options.compile_timeout`` (apollo_py/deadline.py) the passes check the deadline
+    between units of work and raise CompileTimeoutError past it."""
+    from .deadline import compile_deadline
+    with compile_deadline(options, graph.name):
+        return _compile_graph(graph, options)
+
+
+def _stage(progress, name: str, total: int = 0) -> None:
+    """Start stage ``name``: the compile deadline is checked at every stage boundary."""
+    from .deadline import check
+    check(progress.stage_name or "front end (before preprocess)")
+    progress.stage(name, total)
+
+
+def _compile_graph(graph: Graph, options: Options):
     from .partition import partition, preprocess
 
     if options.target not in TARGETS:
         raise CompileError(f"target {options.target!r} is not available (available: {', '.join(TARGETS)})")
     from .progress import Progress
     progress = Progress(graph.name, options.progress)
-    progress.stage("preprocess")
+    _stage(progress, "preprocess")
     graph = preprocess(graph, options)
-    progress.stage("partition")
+    _stage(progress, "partition")
     micro_graphs = partition(graph, options)
     if options.target == "reference":
         from .partition.execute import MicroGraphExecutable
@@ -34,31 +50,48 @@ def compile_graph(graph: Graph, options: Options):
     from .layers.lowering import lower_micro_graphs
     if options.target in ("cuda", "cuda-emu"):     # runtime/cuda.py: pycuda, or its CPU emulation
         from .runtime.cuda import build_cuda_executable, cuda_note, cuda_steps
-        progress.stage("layer 1 fusion", len(micro_graphs))
+        _stage(progress, "layer 1 fusion", len(micro_graphs))
         specs = lower_micro_graphs(graph, micro_graphs, options, progress)
-        progress.stage("CUDA codegen (NVRTC)")
+        _stage(progress, "CUDA codegen (NVRTC)")
         steps = cuda_steps(graph, specs, options)
         progress.done()
         plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(steps), timings=tuple(progress.timings),
                     notes=(cuda_note(steps, options),))
         return build_cuda_executable(graph, steps, plan, options)
     from .layers.blas_fold import fold_blas
-    from .runtime.blas import BlasStep, cblas
-    from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
+    from .runtime.blas import cblas
 
-    progress.stage("layer 1 fusion", len(micro_graphs))
+    _stage(progress, "layer 1 fusion", len(micro_graphs))
     specs = fold_blas(lower_micro_graphs(graph, micro_graphs, options, progress), graph,
                       blas_available=cblas() is not None)
-    fused = [s.fused for s in specs if s.fused is not None]
-    progress.stage("LLVM codegen", len(fused))
-    compiled = iter(compile_kernels(fused, options.cache_dir, progress))
+    return build_cpu_executable(graph, micro_graphs, tuple(specs), options, progress)
+
+
+def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, progress, machine=None):
+    """The CPU executable of lowered step ``specs`` (layer 1-3 results after BLAS folding): object
+    code from the piecewise cache (LLVM only for pieces it lacks), GEMM steps, the plan.
+
+    Shared by :func:`compile_graph` and the model cache's warm path (``frontend/model_cache.py``),
+    which stores ``graph``, ``micro_graphs`` and ``specs`` and skips every pass before this one.
+    ``machine``: the figures the steps were planned with (default: ``options``' figures).
+    """
+    from .runtime.blas import BlasStep
+    from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
     from .runtime.gemm_step import GemmStep
-    progress.stage("GEMM codegen", sum(1 for s in specs if s.gemm is not None))
+
+    fused = [s.fused for s in specs if s.fused is not None]
+    _stage(progress, "LLVM codegen", len(fused))
+    compiled = iter(compile_kernels(fused, options.cache_dir, progress))
+    _stage(progress, "GEMM codegen", sum(1 for s in specs if s.gemm is not None))
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
              else BlasStep(s.blas, s.reason) if s.blas is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
+    from .deadline import check
+    check("GEMM codegen", "after the last GEMM")
     progress.done()
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs), timings=tuple(progress.timings))
-    from .machine import resolve_machine
-    return CpuExecutable(graph, steps, plan, options.num_threads, resolve_machine(options), options)
+    if machine is None:
+        from .machine import resolve_machine
+        machine = resolve_machine(options)
+    return CpuExecutable(graph, steps, plan, options.num_threads, machine, options)

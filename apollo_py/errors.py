@@ -69,3 +69,13 @@ class TraceError(ApolloError):
 
 class CudaUnavailableError(ApolloError):
     """target="cuda" was asked for but pycuda, cuBLAS or a CUDA driver / GPU is missing."""
+
+
+class CompileTimeoutError(ApolloError):
+    """A compile ran past ``Options.compile_timeout``; the message names the stage and the
+    micro-graph or kernel it was in (apollo_py/deadline.py also sets the attributes ``stage``,
+    ``where`` and ``seconds``)."""
+
+    stage: str = ""
+    where: str = ""
+    seconds: float = 0.0

@@ -79,6 +79,10 @@ class Options:
     constants, and the memory plan (arena and outputs) are checked at compile time, before
     anything is allocated (ResourceError naming the node or value); default 80% of physical
     memory, None = no limit.
+    ``compile_timeout``: seconds of wall time one whole compile (front-end lowering, partition,
+    layers 2/1/3, LLVM codegen) may take; past it, ``CompileTimeoutError`` naming the stage and
+    the micro-graph or kernel (checked between units of work, apollo_py/deadline.py; the isl
+    scheduler's child process gets at most the time left).  None = no limit (the default).
     """
 
     target: str = "cpu"
@@ -95,6 +99,7 @@ class Options:
     gemm: str = "auto"
     machine: object = None
     max_memory: int | None = field(default_factory=_default_max_memory)
+    compile_timeout: float | None = None
 
     def __post_init__(self):
         """Reject invalid fields here, with an OptionsError naming the field, so that a typo
@@ -112,6 +117,8 @@ class Options:
             bad("schedule_budget", "an int >= 1")
         if self.schedule_timeout is not None and not (_is_real(self.schedule_timeout) and self.schedule_timeout > 0):
             bad("schedule_timeout", "None or a number of seconds > 0")
+        if self.compile_timeout is not None and not (_is_real(self.compile_timeout) and self.compile_timeout > 0):
+            bad("compile_timeout", "None or a number of seconds > 0")
         if self.num_threads is not None and not (_is_int(self.num_threads) and self.num_threads >= 1):
             bad("num_threads", "None or an int >= 1")
         if self.max_memory is not None and not (_is_int(self.max_memory) and self.max_memory >= 1):

@@ -127,6 +127,10 @@ class Plan:
     kernels: tuple = ()
     notes: tuple[str, ...] = field(default=())
     timings: tuple = ()     # (compile stage, seconds) in order: where the compile's time went
+    #: the executable's dispatches of kernel steps, as tuples of indices into ``kernels`` (one
+    #: tuple per launch; a layer-3 group of independent kernels run as one parallel region has
+    #: several members); empty when the target does not say
+    launches: tuple = ()
 
     @property
     def coverage(self) -> Coverage:
@@ -142,7 +146,7 @@ class Plan:
         doc = {"graph": self.graph.name, "primitives": self.primitives,
                "micro_graphs": [m.to_dict() for m in self.micro_graphs],
                "kernels": [k.to_dict() for k in self.kernels], "notes": list(self.notes),
-               "coverage": self.coverage.to_dict(),
+               "coverage": self.coverage.to_dict(), "launches": [list(g) for g in self.launches],
                "timings": {name: round(t, 4) for name, t in self.timings}}
         return json.dumps(doc, indent=1)
 
@@ -181,11 +185,23 @@ class Plan:
                         or getattr(k, "gemm", None) is not None)
             n_blas = sum(1 for k in self.kernels if getattr(k, "blas", None) is not None)
             blas = f"{n_blas} BLAS calls, " if n_blas else ""
+            groups = {g[0]: g for g in (sorted(g) for g in self.launches) if len(g) > 1}
+            grouped = {k for g in groups.values() for k in g}
+            launch = (f", {len(self.launches)} kernel launch{'es' if len(self.launches) != 1 else ''}"
+                      if self.launches else "")
             lines.append(f"{len(self.kernels)} steps ({n_gen} generated kernels, {blas}"
-                         f"{len(self.kernels) - n_gen - n_blas} numpy steps):")
-            for k, step in enumerate(self.kernels):
-                fb = [fallback_text(n) for n in getattr(step, "nodes", ()) if n.op == "onnx_op"]
-                lines.append(f"  {k:>2}  {'; '.join(fb) if fb else step.describe()}")
+                         f"{len(self.kernels) - n_gen - n_blas} numpy steps{launch}):")
+
+            def step_text(k):
+                fb = [fallback_text(n) for n in getattr(self.kernels[k], "nodes", ()) if n.op == "onnx_op"]
+                return '; '.join(fb) if fb else self.kernels[k].describe()
+            for k in range(len(self.kernels)):
+                if k in groups:     # one layer-3 launch: its members under one entry
+                    lines.append(f"  {k:>2}  launch of {len(groups[k])} independent kernels "
+                                 f"(layer 3, one parallel region): steps {', '.join(map(str, groups[k]))}")
+                    lines.extend(f"      {j:>2}  {step_text(j)}" for j in groups[k])
+                elif k not in grouped:
+                    lines.append(f"  {k:>2}  {step_text(k)}")
         for n in self.graph.nodes:
             bodies = node_bodies(n)
             if bodies:

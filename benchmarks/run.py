@@ -1,13 +1,21 @@
-"""Benchmark harness: numpy vs onnxruntime (all / no graph optimisations) vs apollo_py.
+"""Benchmark harness: numpy vs onnxruntime (all / no graph optimisations) vs jax.jit vs
+torch.compile vs OpenVINO vs apollo_py.
 
-    python benchmarks/run.py [--only NAME ...] [--rounds 5] [--target cpu] [--quick]
-                             [--write-results] [--label TEXT] [--native-blas] [--json PATH]
+    python benchmarks/run.py [--only NAME ...] [--forms both|exporter|decomposed] [--rounds 5]
+                             [--threads 2] [--target cpu] [--quick] [--write-results]
+                             [--label TEXT] [--native-blas] [--json PATH]
 
-For each workload (benchmarks/workloads.py) all contenders live in one process and are timed
-interleaved round-robin (A B C ... A B C ...), after a warm-up, median of the rounds.  Each
-sample repeats a call enough times to last ~50 ms (10 ms with --quick) and records the mean per
-call.  Contenders whose runtime accepts caller-provided outputs are timed twice: with fresh
-outputs and with ``out=`` (onnxruntime through IOBinding).  See benchmarks/README.md.
+For each workload (benchmarks/workloads.py), in each of its forms (the normalisations as the
+standard ops exporters write, and decomposed into primitives), all contenders live in one
+process and are timed interleaved round-robin (A B C ... A B C ...), after a warm-up, median of
+the rounds.  Each sample repeats a call enough times to last ~50 ms (10 ms with --quick) and
+records the mean per call.  Contenders whose runtime accepts caller-provided outputs are timed
+twice: with fresh outputs and with ``out=`` (onnxruntime through IOBinding).  jax.jit,
+torch.compile and OpenVINO (benchmarks/contenders.py) run where installed (the ``bench`` extra)
+and are n/a with a note where not.  Every contender gets ``--threads`` threads (default 2): the
+process is pinned to that many CPUs when it has more (XLA sizes its pool from the affinity),
+onnxruntime's intra-op threads, torch.set_num_threads, OpenVINO's INFERENCE_NUM_THREADS and
+apollo_py's ``Options.num_threads`` are set to it.  See benchmarks/README.md.
 
 --native-blas removes OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE from THIS process's environment
 before numpy is imported, so OpenBLAS picks its native kernel; nothing else is changed (tests
@@ -18,13 +26,30 @@ from __future__ import annotations
 import os
 import sys
 
-# --native-blas must act before numpy (and its OpenBLAS) is loaded.
+# --native-blas and --threads must act before numpy (and its OpenBLAS), jax or torch is loaded.
 _BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 _REMOVED_BLAS_ENV = {}
 if "--native-blas" in sys.argv[1:]:
     for _k in _BLAS_VARS:
         if _k in os.environ:
             _REMOVED_BLAS_ENV[_k] = os.environ.pop(_k)
+
+
+def _threads_arg(argv) -> int:
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            return max(1, int(argv[i + 1]))
+        if a.startswith("--threads=") and a.split("=", 1)[1].isdigit():
+            return max(1, int(a.split("=", 1)[1]))
+    return 2
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # imported (by zoo.py, tests), it leaves the process as it is
+    import threads as _threads_mod
+    THREADS_NOTE = _threads_mod.limit_threads(_threads_arg(sys.argv[1:]))
+else:
+    THREADS_NOTE = "not set (run.py imported as a module)"
 
 import argparse  # noqa: E402
 import datetime as _dt  # noqa: E402
@@ -47,18 +72,20 @@ sys.path.insert(0, str(HERE))
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 
+import contenders  # noqa: E402
 import roofline  # noqa: E402
 import workloads  # noqa: E402
+from contenders import NA  # noqa: E402
 
-RTOL, ATOL = 1e-3, 1e-4
-CONTENDERS = ["numpy", "ort-all", "ort-all out=", "ort-none", "apollo", "apollo out="]
+RTOL, ATOL = contenders.RTOL, contenders.ATOL
+CONTENDERS = ["numpy", "ort-all", "ort-all out=", "ort-none", "jax.jit", "torch.compile", "openvino",
+              "apollo", "apollo out="]
+# the acceptance's yardstick (issue #14): apollo against the fastest of these in the same run
+RIVALS = ("ort-all", "jax.jit", "torch.compile")
 
 
 # --------------------------------------------------------------------------------------------
 # contenders
-
-class NA(Exception):
-    """A contender that cannot run this workload; the message says why."""
 
 
 def _as_list(x):
@@ -111,7 +138,7 @@ def _short(exc: BaseException, limit: int = 160) -> str:
 
 
 def build_contenders(w, expected: list, target: str, threads: int):
-    """Returns (callables: name -> fn or NA message, info: dict)."""
+    """Returns (callables: name -> fn or NA message, info: dict with compile seconds)."""
     import onnxruntime as ort
     fns: dict = {}
     info: dict = {"compile_s": None, "jit_s": None, "notes": {}}
@@ -135,11 +162,22 @@ def build_contenders(w, expected: list, target: str, threads: int):
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         fns["ort-all out="] = NA(_short(exc))
 
+    info["contender_compile_s"] = {}
+    adapters = {**contenders.ADAPTERS,
+                "openvino": lambda w, expected, threads: contenders.openvino(w.model, inputs, expected, threads)}
+    for name, adapter in adapters.items():
+        try:
+            fns[name], info["contender_compile_s"][name] = adapter(w, expected, threads)
+        except NA as exc:
+            fns[name] = exc
+        except Exception as exc:  # noqa: BLE001 - a contender's own failure is a note, not fatal
+            fns[name] = NA(_short(exc))
+
     # apollo_py: every failure (import, front end, compile, run) is reported as n/a.
     try:
         import apollo_py as ap
         t0 = time.perf_counter()
-        f = ap.jit(w.model, target=target)
+        f = ap.jit(w.model, target=target, options=ap.Options(num_threads=threads))
         t1 = time.perf_counter()
         first = f.run(**inputs)
         t2 = time.perf_counter()
@@ -221,9 +259,9 @@ def _ratio(a, b) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
 
-HEADER = ["workload", "triad GB/s", "sgemm GFLOP/s", "floor ms", "numpy", "ort-all", "ort-all out=", "ort-none", "apollo",
-          "apollo out=", "apollo compile s", "apollo/ort-all", "apollo/ort-none", "apollo/floor",
-          "numpy/floor", "spread"]
+HEADER = ["workload", "form", "triad GB/s", "sgemm GFLOP/s", "floor ms", *CONTENDERS,
+          "apollo compile s", "apollo/ort-all", "apollo/ort-none", "apollo/best", "best", "apollo/openvino",
+          "apollo/floor", "numpy/floor", "spread"]
 
 
 def spread(times: dict) -> str:
@@ -238,9 +276,13 @@ def table_rows(results: list) -> list:
     for r in results:
         t = {k: (v["median_s"] if v else None) for k, v in r["times"].items()}
         ap = t.get("apollo")
-        rows.append([r["name"], f"{r['triad_gbps']:.1f}", f"{r['sgemm_gflops']:.0f}", _ms(r["floor_s"]), *(_ms(t.get(c)) for c in CONTENDERS),
+        rivals = {k: t[k] for k in RIVALS if t.get(k) is not None}
+        best = min(rivals, key=rivals.get) if rivals else None
+        rows.append([r["name"], r.get("form") or "-", f"{r['triad_gbps']:.1f}", f"{r['sgemm_gflops']:.0f}",
+                     _ms(r["floor_s"]), *(_ms(t.get(c)) for c in CONTENDERS),
                      "n/a" if r["compile_s"] is None else f"{r['compile_s']:.2f}",
                      _ratio(ap, t.get("ort-all")), _ratio(ap, t.get("ort-none")),
+                     _ratio(ap, rivals.get(best)), best or "n/a", _ratio(ap, t.get("openvino")),
                      _ratio(ap, r["floor_s"]), _ratio(t.get("numpy"), r["floor_s"]),
                      spread(r["times"])])
     return rows
@@ -254,16 +296,33 @@ def markdown_table(rows: list) -> str:
     return "\n".join([line(HEADER), sep] + [line(r) for r in rows])
 
 
+def summary_line(results: list) -> str | None:
+    """Issue #14's yardstick over the run: apollo against the fastest of ort-all, jax.jit and
+    torch.compile per row (geomean, and the rows where apollo is slower)."""
+    ratios = []
+    for r in results:
+        t = {k: (v["median_s"] if v else None) for k, v in r["times"].items()}
+        rivals = [t[k] for k in RIVALS if t.get(k)]
+        if t.get("apollo") and rivals:
+            ratios.append((t["apollo"] / min(rivals), f"{r['name']} {r.get('form', '')}".strip()))
+    if not ratios:
+        return None
+    geo = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+    slower = [f"{n} ({x:.2f})" for x, n in ratios if x > 1]
+    return (f"- apollo/best: geomean {geo:.2f} over {len(ratios)} rows; slower than the best in "
+            f"{len(slower)}" + (": " + ", ".join(slower) if slower else ""))
+
+
 def notes_text(results: list) -> list:
-    out = []
+    out = [x for x in [summary_line(results)] if x]
     for r in results:
         for k in CONTENDERS:
             why = r["na"].get(k)
             if why and not (k == "apollo out=" and "apollo" in r["na"]):
-                out.append(f"- {r['name']} / {k}: n/a — {why}")
+                out.append(f"- {r['name']} {r.get('form', '')} / {k}: n/a — {why}")
         for k, why in r["notes"].items():
             if k not in r["na"]:  # e.g. a wrong result that was timed anyway
-                out.append(f"- {r['name']} / {k}: {why}")
+                out.append(f"- {r['name']} {r.get('form', '')} / {k}: {why}")
     return out
 
 
@@ -299,8 +358,15 @@ def machine_info(roof) -> dict:
         dirty = ", plus uncommitted changes under apollo_py/" if dirty else ""
     except Exception:  # noqa: BLE001
         commit, dirty = "?", ""
+    others = {}
+    for mod in ("jax", "torch", "openvino"):
+        try:
+            others[mod] = getattr(__import__(mod), "__version__", "?").split("-")[0]
+        except Exception:  # noqa: BLE001 - not installed: its column is n/a
+            others[mod] = "not installed"
     return {"cpu": _cpu_model(), "cores": os.cpu_count(), "loadavg_start": _loadavg(), "python": platform.python_version(),
-            "numpy": np.__version__, "onnxruntime": ort.__version__, "apollo_py": ap_ver,
+            "numpy": np.__version__, "onnxruntime": ort.__version__, "apollo_py": ap_ver, "others": others,
+            "threads": THREADS_NOTE,
             "git": commit, "dirty": dirty, "triad_method": roof.detail.get("triad", {}).get("method", "?"),
             "blas": roofline.blas_info(), "removed_env": _REMOVED_BLAS_ENV,
             "triad_gbps": roof.bw_gbps, "triad_by_threads": roof.detail.get("triad", {}).get("by_threads"),
@@ -318,6 +384,19 @@ def _blas_line(b: dict) -> str:
     return "; ".join(parts)
 
 
+RESULTS_HOWTO = """\
+How to run (benchmarks/README.md has the details): `pip install -e '.[dev,bench]'` (jax.jit and
+OpenVINO; `make bench` installs it), torch for torch.compile from the `zoo` extra or the CPU
+wheel (`pip install torch --index-url https://download.pytorch.org/whl/cpu`), then on a quiet
+machine `python benchmarks/run.py --rounds 9 --write-results --append --label "..."` (every
+workload, exporter and decomposed forms, numpy / onnxruntime all and none / jax.jit /
+torch.compile / OpenVINO-f32 / apollo_py interleaved in one process, 2 threads each:
+`--threads`) and `make zoo ZOO_ARGS="--write-results"` (the zoo table, with OpenVINO-f32 and
+torch.compile columns where the bench and zoo extras are installed). A contender that is not
+installed is n/a with a note.
+"""
+
+
 def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"## {args.label or f'target={args.target}'}", ""]
@@ -327,7 +406,9 @@ def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
         f"- apollo_py target: `{args.target}`; rounds: {args.rounds}; quick: {args.quick}",
         f"- Machine: {minfo['cpu']}, {minfo['cores']} cores; Python {minfo['python']}",
         f"- Versions: numpy {minfo['numpy']}, onnxruntime {minfo['onnxruntime']}, "
-        f"apollo_py {minfo['apollo_py']} (git {minfo['git']}{minfo['dirty']})",
+        + "".join(f"{k} {v}, " for k, v in minfo["others"].items())
+        + f"apollo_py {minfo['apollo_py']} (git {minfo['git']}{minfo['dirty']})",
+        f"- Threads: {args.threads} for every contender; {minfo['threads']}",
         f"- BLAS: {_blas_line(minfo['blas'])}",
         f"- Load average (1/5/15 min) at start: {minfo['loadavg_start']}, at end: {_loadavg()} "
         "(the machine is shared; other processes add noise)",
@@ -345,7 +426,8 @@ def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
         f"(best run {minfo['sgemm_best_gflops']:.1f})",
         "",
         "Times are median milliseconds per call (interleaved round-robin, after warm-up). "
-        "Ratios use fresh-output times; `floor` = max(compulsory bytes / triad bandwidth, "
+        "Ratios use fresh-output times (OpenVINO's outputs are read in place); `best` is the fastest "
+        "of onnxruntime-all, jax.jit and torch.compile in the row; `floor` = max(compulsory bytes / triad bandwidth, "
         "flops / sgemm rate), with the triad and sgemm medians sampled in the same round-robin "
         "as that row's contenders (the row's `triad GB/s` and `sgemm GFLOP/s`). `spread` = the "
         "worst (max-min)/median of any contender's samples in that row. Columns are explained "
@@ -360,7 +442,7 @@ def write_results(path: Path, rows, notes, minfo, command, args, elapsed_s):
     if args.append and path.exists():
         path.write_text(path.read_text().rstrip("\n") + "\n\n" + section)
     else:
-        path.write_text("# Benchmark results\n\n" + section)
+        path.write_text("# Benchmark results\n\n" + RESULTS_HOWTO + "\n" + section)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,6 +451,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", metavar="NAME", choices=sorted(workloads.WORKLOADS),
                     help="run only these workloads (default: all)")
+    ap.add_argument("--forms", choices=("both", *workloads.FORMS), default="both",
+                    help="which forms of the workloads with exporter and decomposed forms (default both)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads for every contender (default 2; read before numpy loads)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5)")
     ap.add_argument("--target", default="cpu", help='apollo_py target (default "cpu")')
     ap.add_argument("--quick", action="store_true", help="small sizes, short samples (smoke run)")
@@ -386,7 +472,7 @@ def main(argv=None) -> int:
         print(f"note: --rounds {args.rounds} (< 5): medians are less robust", file=sys.stderr)
 
     started = time.perf_counter()
-    threads = os.cpu_count() or 1
+    threads = args.threads
     sample_s = 0.01 if args.quick else 0.05
     print("measuring roofline ...", flush=True)
     roof = roofline.Roofline.measure(quick=args.quick)
@@ -396,10 +482,12 @@ def main(argv=None) -> int:
           f"BLAS: {_blas_line(minfo['blas'])}", flush=True)
 
     names = args.only or list(workloads.WORKLOADS)
+    rows_todo = [(n, f) for n in names for f in workloads.forms(n)
+                 if args.forms == "both" or f in ("", args.forms)]
     results = []
-    for name in names:
-        w = workloads.build(name, quick=args.quick)
-        print(f"\n== {w.name} ({w.compulsory_bytes / 1e6:.1f} MB, {w.flops / 1e9:.3f} GFLOP)", flush=True)
+    for name, form in rows_todo:
+        w = workloads.build(name, quick=args.quick, form=form)
+        print(f"\n== {w.name} {form} ({w.compulsory_bytes / 1e6:.1f} MB, {w.flops / 1e9:.3f} GFLOP)", flush=True)
         expected = _as_list(w.numpy_fn(**w.inputs))
         fns, info = build_contenders(w, expected, args.target, threads)
         na = {k: str(v) for k, v in fns.items() if isinstance(v, NA)}
@@ -408,6 +496,8 @@ def main(argv=None) -> int:
         if info["compile_s"] is not None:
             print(f"   apollo compile: jit {info['jit_s']:.3f} s, jit + first call {info['compile_s']:.3f} s",
                   flush=True)
+        for k, v in info["contender_compile_s"].items():
+            print(f"   {k} compile + first call: {v:.3f} s", flush=True)
         fns["roof:triad"], fns["roof:sgemm"] = probe.triad, probe.sgemm
         times = time_interleaved(fns, args.rounds, sample_s)
         local = probe.roofline(times.pop("roof:triad")["median_s"], times.pop("roof:sgemm")["median_s"])
@@ -417,9 +507,10 @@ def main(argv=None) -> int:
         for k in CONTENDERS:
             if k in times:
                 print(f"   {k:13s} {_ms(times[k]['median_s']):>9s} ms  (x{times[k]['reps']} per sample)", flush=True)
-        results.append({"name": w.name, "key": name, "floor_s": floor, "bytes": w.compulsory_bytes,
+        results.append({"name": w.name, "key": name, "form": form, "floor_s": floor, "bytes": w.compulsory_bytes,
                         "flops": w.flops, "times": {k: times.get(k) for k in CONTENDERS},
                         "compile_s": info["compile_s"], "jit_s": info["jit_s"], "na": na,
+                        "contender_compile_s": info["contender_compile_s"],
                         "notes": info["notes"], "triad_gbps": local.bw_gbps,
                         "sgemm_gflops": local.sgemm_gflops})
         del fns, w, expected

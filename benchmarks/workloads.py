@@ -1,10 +1,10 @@
-"""Benchmark workloads: each one an ONNX model (opset 17) plus a plain-numpy twin.
+"""Benchmark workloads: each one an ONNX model plus a plain-numpy twin and an array-library form.
 
-Every builder returns a :class:`Workload`, which unpacks as the 6-tuple
+Every builder returns a :class:`Workload` (a named tuple) whose first six fields are
 ``(name, model, inputs, numpy_fn, compulsory_bytes, flops)``:
 
-* ``model`` -- an ``onnx.ModelProto`` built with ``onnx.helper`` (opset 17), so onnxruntime
-  and apollo_py run exactly the same graph;
+* ``model`` -- an ``onnx.ModelProto`` built with ``onnx.helper``, so onnxruntime, OpenVINO and
+  apollo_py run exactly the same graph;
 * ``inputs`` -- ``dict[str, np.ndarray]`` of the run-time inputs (activations, indices);
   parameters (weights, biases, tables) are initializers of the model, and ``numpy_fn``
   closes over the very same arrays;
@@ -14,6 +14,23 @@ Every builder returns a :class:`Workload`, which unpacks as the 6-tuple
   at least once per call;
 * ``flops`` -- arithmetic operations per call (2*M*N*K for a matmul; about one per element per
   primitive elementwise/reduce step, transcendental functions counted as one).
+
+and then ``form``, ``params`` and ``compute``:
+
+* ``form`` -- which spelling of the normalisations the ONNX graph uses (:data:`FORMS`).
+  ``"exporter"``: the standard ops as torch.onnx writes them at opsets 17-20 --
+  ``LayerNormalization`` (axis -1), ``Softmax`` / ``LogSoftmax`` (axis -1), and at opset 20
+  ``Gelu(approximate="tanh")`` (below 20 torch writes GELU as the eight primitives of the
+  decomposed form, checked with torch 2.14's dynamo and TorchScript exporters);
+  ``"decomposed"``: the same maths as primitives (ReduceMean/Sub/Mul/Sqrt/Div..., ReduceMax/Sub/
+  Exp/ReduceSum/Div, Pow/Mul/Add/Tanh...), opset 17, what older exporters and hand-built graphs
+  contain.  Workloads without such an op have one form, ``""`` (see :func:`forms`);
+* ``params`` -- the model's float parameters by name (the arrays ``numpy_fn`` closes over);
+* ``compute(F, params, **inputs)`` -- the workload written once against an array namespace
+  ``F`` (benchmarks/contenders.py: numpy, jax.numpy under ``jax.jit``, torch under
+  ``torch.compile``).  In the exporter form it calls ``F``'s library ops (``F.layer_norm``,
+  ``F.softmax``, ``F.gelu_tanh``: ``torch.nn.functional``, ``jax.nn``), in the decomposed form
+  the primitives, so each contender runs the same spelling as the ONNX graph it is compared with.
 
 ``quick=True`` gives small sizes for a smoke run.
 """
@@ -31,6 +48,10 @@ F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
 
 
+FORMS = ("exporter", "decomposed")
+GELU_OPSET = 20  # the first opset with Gelu
+
+
 class Workload(NamedTuple):
     name: str
     model: onnx.ModelProto
@@ -38,6 +59,9 @@ class Workload(NamedTuple):
     numpy_fn: Callable
     compulsory_bytes: int
     flops: float
+    form: str = ""
+    params: dict = {}
+    compute: Callable | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,16 +84,17 @@ def _init(name: str, arr: np.ndarray):
     return numpy_helper.from_array(np.ascontiguousarray(arr), name=name)
 
 
-def _model(name: str, nodes, inputs: dict, outputs: dict, inits: dict) -> onnx.ModelProto:
+def _model(name: str, nodes, inputs: dict, outputs: dict, inits: dict, opset: int = OPSET) -> onnx.ModelProto:
     """``inputs``/``outputs``: name -> array or shape (outputs are float32)."""
     in_vis = [_vi(k, v, I64 if isinstance(v, np.ndarray) and v.dtype == np.int64 else F32)
               for k, v in inputs.items()]
     out_vis = [_vi(k, v) for k, v in outputs.items()]
     graph = helper.make_graph(nodes, name, in_vis, out_vis,
                               initializer=[_init(k, v) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
                               producer_name="apollo_py-benchmarks")
-    model.ir_version = 8  # opset 17 era; accepted by every onnxruntime >= 1.13
+    # opset 17 era (accepted by every onnxruntime >= 1.13); opset 20 needs IR 9
+    model.ir_version = 8 if opset <= 18 else 9
     onnx.checker.check_model(model)
     return model
 
@@ -123,31 +148,111 @@ def _gelu_nodes(x: str, out: str, prefix: str) -> tuple[list, dict]:
 GELU_FLOPS_PER_ELEM = 9  # x^3 (2), *k, +x, *c, tanh, +1, *0.5, *
 
 
+def _check_form(form: str, name: str) -> None:
+    if form not in FORMS:
+        raise ValueError(f"{name}: form {form!r}, expected one of {FORMS}")
+
+
+def _ln_nodes(x: str, scale: str, bias: str, out: str, eps: float, form: str, prefix: str) -> tuple[list, dict]:
+    """LayerNormalization over the last axis: one op (exporter form) or nine primitives."""
+    N, p = helper.make_node, prefix
+    if form == "exporter":
+        return [N("LayerNormalization", [x, scale, bias], [out], axis=-1, epsilon=eps)], {}
+    nodes = [N("ReduceMean", [x], [f"{p}_mean"], axes=[-1], keepdims=1),
+             N("Sub", [x, f"{p}_mean"], [f"{p}_d"]),
+             N("Mul", [f"{p}_d", f"{p}_d"], [f"{p}_d2"]),
+             N("ReduceMean", [f"{p}_d2"], [f"{p}_var"], axes=[-1], keepdims=1),
+             N("Add", [f"{p}_var", f"{p}_eps"], [f"{p}_ve"]),
+             N("Sqrt", [f"{p}_ve"], [f"{p}_sd"]),
+             N("Div", [f"{p}_d", f"{p}_sd"], [f"{p}_nrm"]),
+             N("Mul", [f"{p}_nrm", scale], [f"{p}_sc"]),
+             N("Add", [f"{p}_sc", bias], [out])]
+    return nodes, {f"{p}_eps": np.array(eps, np.float32)}
+
+
+def _softmax_nodes(op: str, x: str, out: str, form: str, prefix: str) -> tuple[list, dict]:
+    """Softmax / LogSoftmax over the last axis: one op (exporter form) or five / six primitives."""
+    N, p = helper.make_node, prefix
+    if form == "exporter":
+        return [N(op, [x], [out], axis=-1)], {}
+    nodes = [N("ReduceMax", [x], [f"{p}_max"], axes=[-1], keepdims=1),
+             N("Sub", [x, f"{p}_max"], [f"{p}_s"]),
+             N("Exp", [f"{p}_s"], [f"{p}_e"]),
+             N("ReduceSum", [f"{p}_e", f"{p}_axes"], [f"{p}_sum"], keepdims=1)]  # opset 13+: axes input
+    if op == "Softmax":
+        nodes.append(N("Div", [f"{p}_e", f"{p}_sum"], [out]))
+    else:
+        nodes += [N("Log", [f"{p}_sum"], [f"{p}_lsum"]), N("Sub", [f"{p}_s", f"{p}_lsum"], [out])]
+    return nodes, {f"{p}_axes": np.array([-1], np.int64)}
+
+
+def _gelu_form_nodes(x: str, out: str, form: str, prefix: str) -> tuple[list, dict]:
+    """tanh GELU: ``Gelu(approximate="tanh")`` (exporter form, opset 20) or eight primitives."""
+    if form == "exporter":
+        return [helper.make_node("Gelu", [x], [out], approximate="tanh")], {}
+    return _gelu_nodes(x, out, prefix)
+
+
+# the maths once, against an array namespace F (benchmarks/contenders.py), in either form
+
+def _ln(F, x, g, b, eps, form):
+    if form == "exporter":
+        return F.layer_norm(x, g, b, eps)
+    d = x - F.mean(x, -1, True)
+    return d / F.sqrt(F.mean(d * d, -1, True) + eps) * g + b
+
+
+def _softmax(F, x, form):
+    if form == "exporter":
+        return F.softmax(x)
+    e = F.exp(x - F.max(x, -1, True))
+    return e / F.sum(e, -1, True)
+
+
+def _logsoftmax(F, x, form):
+    if form == "exporter":
+        return F.log_softmax(x)
+    s = x - F.max(x, -1, True)
+    return s - F.log(F.sum(F.exp(s), -1, True))
+
+
+def _gelu(F, y, form):
+    if form == "exporter":
+        return F.gelu_tanh(y)
+    return 0.5 * y * (1.0 + F.tanh(GELU_C * (y + 0.044715 * (y * y * y))))
+
+
 # --------------------------------------------------------------------------------------------
 # workloads
 
-def layernorm(quick: bool = False) -> Workload:
+def layernorm(quick: bool = False, form: str = "exporter") -> Workload:
+    _check_form(form, "layernorm")
     n, d = (512, 768) if quick else (8192, 768)
     rng = _rng(1)
     x = _randn(rng, n, d)
     scale = _randn(rng, d, scale=0.5) + np.float32(1.0)
     bias = _randn(rng, d, scale=0.1)
-    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=-1, epsilon=1e-5)
-    model = _model("layernorm", [node], {"x": x}, {"y": (n, d)}, {"scale": scale, "bias": bias})
+    nodes, cinits = _ln_nodes("x", "scale", "bias", "y", 1e-5, form, "ln")
+    model = _model("layernorm", nodes, {"x": x}, {"y": (n, d)}, {"scale": scale, "bias": bias, **cinits})
 
     def numpy_fn(x):
         return _layernorm_np(x, scale, bias)
 
+    def compute(F, p, x):
+        return _ln(F, x, p["scale"], p["bias"], 1e-5, form)
+
     return Workload(f"layernorm[{n},{d}]", model, {"x": x}, numpy_fn,
-                    _nbytes(x, scale, bias) + _out_bytes((n, d)), 8.0 * n * d)
+                    _nbytes(x, scale, bias) + _out_bytes((n, d)), 8.0 * n * d,
+                    form, {"scale": scale, "bias": bias}, compute)
 
 
-def _softmax_like(op: str, quick: bool) -> Workload:
+def _softmax_like(op: str, quick: bool, form: str) -> Workload:
+    _check_form(form, op.lower())
     shape = (48, 128, 128) if quick else (768, 128, 128)
     rng = _rng(2)
     x = _randn(rng, *shape, scale=2.0)
-    node = helper.make_node(op, ["x"], ["y"], axis=-1)
-    model = _model(op.lower(), [node], {"x": x}, {"y": shape}, {})
+    nodes, cinits = _softmax_nodes(op, "x", "y", form, "sm")
+    model = _model(op.lower(), nodes, {"x": x}, {"y": shape}, cinits)
 
     if op == "Softmax":
         def numpy_fn(x):
@@ -157,34 +262,43 @@ def _softmax_like(op: str, quick: bool) -> Workload:
             s = x - x.max(axis=-1, keepdims=True)
             return s - np.log(np.exp(s).sum(axis=-1, keepdims=True))
 
+    def compute(F, p, x):
+        return (_softmax if op == "Softmax" else _logsoftmax)(F, x, form)
+
     n = math.prod(shape)
     name = f"{op.lower()}[{','.join(map(str, shape))}]"
     return Workload(name, model, {"x": x}, numpy_fn, _nbytes(x) + _out_bytes(shape),
-                    (5.0 if op == "Softmax" else 6.0) * n)
+                    (5.0 if op == "Softmax" else 6.0) * n, form, {}, compute)
 
 
-def softmax(quick: bool = False) -> Workload:
-    return _softmax_like("Softmax", quick)
+def softmax(quick: bool = False, form: str = "exporter") -> Workload:
+    return _softmax_like("Softmax", quick, form)
 
 
-def logsoftmax(quick: bool = False) -> Workload:
-    return _softmax_like("LogSoftmax", quick)
+def logsoftmax(quick: bool = False, form: str = "exporter") -> Workload:
+    return _softmax_like("LogSoftmax", quick, form)
 
 
-def bias_gelu(quick: bool = False) -> Workload:
+def bias_gelu(quick: bool = False, form: str = "exporter") -> Workload:
+    _check_form(form, "bias_gelu")
     n, d = (512, 3072) if quick else (8192, 3072)
     rng = _rng(3)
     x = _randn(rng, n, d)
     bias = _randn(rng, d, scale=0.1)
-    gnodes, ginits = _gelu_nodes("xb", "y", "g")
+    gnodes, ginits = _gelu_form_nodes("xb", "y", form, "g")
     nodes = [helper.make_node("Add", ["x", "bias"], ["xb"])] + gnodes
-    model = _model("bias_gelu", nodes, {"x": x}, {"y": (n, d)}, {"bias": bias, **ginits})
+    model = _model("bias_gelu", nodes, {"x": x}, {"y": (n, d)}, {"bias": bias, **ginits},
+                   opset=GELU_OPSET if form == "exporter" else OPSET)
 
     def numpy_fn(x):
         return _gelu_tanh_np(x + bias)
 
+    def compute(F, p, x):
+        return _gelu(F, x + p["bias"], form)
+
     return Workload(f"bias_gelu_tanh[{n},{d}]", model, {"x": x}, numpy_fn,
-                    _nbytes(x, bias) + _out_bytes((n, d)), (1 + GELU_FLOPS_PER_ELEM) * n * d)
+                    _nbytes(x, bias) + _out_bytes((n, d)), (1 + GELU_FLOPS_PER_ELEM) * n * d,
+                    form, {"bias": bias}, compute)
 
 
 def bias_maxpool(quick: bool = False) -> Workload:
@@ -202,8 +316,12 @@ def bias_maxpool(quick: bool = False) -> Workload:
         a = x + bias
         return a.reshape(n, c, h // 2, 2, w // 2, 2).max(axis=(3, 5))
 
+    def compute(F, p, x):
+        return F.maxpool2x2(x + p["bias"])
+
     return Workload(f"bias_maxpool2x2[{n},{c},{h},{w}]", model, {"x": x}, numpy_fn,
-                    _nbytes(x, bias) + _out_bytes(oshape), 1.0 * x.size + 0.75 * x.size)
+                    _nbytes(x, bias) + _out_bytes(oshape), 1.0 * x.size + 0.75 * x.size,
+                    "", {"bias": bias}, compute)
 
 
 def bias_reducesum(quick: bool = False) -> Workload:
@@ -221,12 +339,16 @@ def bias_reducesum(quick: bool = False) -> Workload:
     def numpy_fn(x):
         return (x + bias).sum(axis=(1, 3))
 
+    def compute(F, prm, x):
+        return F.sum(x + prm["bias"], (1, 3), False)
+
     return Workload(f"bias_reducesum13[{','.join(map(str, shape))}]", model, {"x": x}, numpy_fn,
-                    _nbytes(x, bias) + _out_bytes((m, p)), 2.0 * x.size)
+                    _nbytes(x, bias) + _out_bytes((m, p)), 2.0 * x.size, "", {"bias": bias}, compute)
 
 
-def bert_layer(quick: bool = False) -> Workload:
+def bert_layer(quick: bool = False, form: str = "exporter") -> Workload:
     """One post-LN BERT-base encoder layer with explicit softmax attention and tanh GELU."""
+    _check_form(form, "bert_layer")
     if quick:
         b, s, h, heads, ffn = 2, 64, 256, 4, 1024
     else:
@@ -251,6 +373,9 @@ def bert_layer(quick: bool = False) -> Workload:
         "inv_sqrt_dh": np.array(1.0 / math.sqrt(dh), np.float32),
     }
     N = helper.make_node
+    sm_nodes, sm_inits = _softmax_nodes("Softmax", "scores_s", "probs", form, "sm")
+    ln1_nodes, ln1_inits = _ln_nodes("res1", "ln1_g", "ln1_b", "h1", 1e-12, form, "ln1")
+    ln2_nodes, ln2_inits = _ln_nodes("res2", "ln2_g", "ln2_b", "y", 1e-12, form, "ln2")
     nodes = []
     for t in "qkv":
         nodes += [N("MatMul", ["x", f"w{t}"], [f"{t}_mm"]),
@@ -262,26 +387,28 @@ def bert_layer(quick: bool = False) -> Workload:
         N("Transpose", ["v_4d"], ["v_h"], perm=[0, 2, 1, 3]),   # [b, heads, s, dh]
         N("MatMul", ["q_h", "k_ht"], ["scores"]),
         N("Mul", ["scores", "inv_sqrt_dh"], ["scores_s"]),
-        N("Softmax", ["scores_s"], ["probs"], axis=-1),
+        *sm_nodes,
         N("MatMul", ["probs", "v_h"], ["ctx_h"]),
         N("Transpose", ["ctx_h"], ["ctx_t"], perm=[0, 2, 1, 3]),
         N("Reshape", ["ctx_t", "shape_merge"], ["ctx"]),
         N("MatMul", ["ctx", "wo"], ["o_mm"]),
         N("Add", ["o_mm", "bo"], ["o_lin"]),
         N("Add", ["o_lin", "x"], ["res1"]),
-        N("LayerNormalization", ["res1", "ln1_g", "ln1_b"], ["h1"], axis=-1, epsilon=1e-12),
+        *ln1_nodes,
         N("MatMul", ["h1", "w1"], ["f1_mm"]),
         N("Add", ["f1_mm", "b1"], ["f1"]),
     ]
-    gnodes, ginits = _gelu_nodes("f1", "f1_act", "gelu")
+    gnodes, ginits = _gelu_form_nodes("f1", "f1_act", form, "gelu")
     nodes += gnodes
     nodes += [
         N("MatMul", ["f1_act", "w2"], ["f2_mm"]),
         N("Add", ["f2_mm", "b2"], ["f2"]),
         N("Add", ["f2", "h1"], ["res2"]),
-        N("LayerNormalization", ["res2", "ln2_g", "ln2_b"], ["y"], axis=-1, epsilon=1e-12),
+        *ln2_nodes,
     ]
-    model = _model("bert_layer", nodes, {"x": x}, {"y": (b, s, h)}, {**p, **consts, **ginits})
+    model = _model("bert_layer", nodes, {"x": x}, {"y": (b, s, h)},
+                   {**p, **consts, **ginits, **sm_inits, **ln1_inits, **ln2_inits},
+                   opset=GELU_OPSET if form == "exporter" else OPSET)
 
     def numpy_fn(x):
         def heads_of(t):
@@ -295,6 +422,18 @@ def bert_layer(quick: bool = False) -> Workload:
         f = _gelu_tanh_np(h1 @ p["w1"] + p["b1"])
         return _layernorm_np(f @ p["w2"] + p["b2"] + h1, p["ln2_g"], p["ln2_b"], 1e-12)
 
+    def compute(F, p, x):
+        def heads_of(t):
+            return F.permute(F.reshape(t, (b, s, heads, dh)), (0, 2, 1, 3))
+        q = heads_of(x @ p["wq"] + p["bq"])
+        k = heads_of(x @ p["wk"] + p["bk"])
+        v = heads_of(x @ p["wv"] + p["bv"])
+        probs = _softmax(F, (q @ F.permute(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(dh)), form)
+        ctx = F.reshape(F.permute(probs @ v, (0, 2, 1, 3)), (b, s, h))
+        h1 = _ln(F, ctx @ p["wo"] + p["bo"] + x, p["ln1_g"], p["ln1_b"], 1e-12, form)
+        f = _gelu(F, h1 @ p["w1"] + p["b1"], form)
+        return _ln(F, f @ p["w2"] + p["b2"] + h1, p["ln2_g"], p["ln2_b"], 1e-12, form)
+
     t = b * s
     flops = (2.0 * t * h * h * 4            # QKV + output projection
              + 2.0 * 2 * b * heads * s * s * dh  # scores + context
@@ -303,7 +442,7 @@ def bert_layer(quick: bool = False) -> Workload:
              + (GELU_FLOPS_PER_ELEM + 1) * t * ffn
              + 2 * 8.0 * t * h + 8.0 * t * h)  # two LNs, bias adds and residuals
     return Workload(f"bert_layer[B{b},S{s},H{h}]", model, {"x": x}, numpy_fn,
-                    _nbytes(x, *p.values()) + _out_bytes((b, s, h)), flops)
+                    _nbytes(x, *p.values()) + _out_bytes((b, s, h)), flops, form, p, compute)
 
 
 def wide_deep(quick: bool = False) -> Workload:
@@ -346,13 +485,21 @@ def wide_deep(quick: bool = False) -> Workload:
             a = np.maximum(a @ p[f"w{layer}"] + p[f"b{layer}"], np.float32(0))
         return (a @ p["w3"] + p["b3"]) + (kw["dense"] @ p["w_wide"] + p["b_wide"])
 
+    def compute(F, prm, **kw):
+        bags = [F.sum(F.take_rows(prm[f"table{i}"], kw[f"idx{i}"]), 1, False) for i in range(fields)]
+        a = F.concat(bags + [kw["dense"]], 1)
+        for layer in range(3):
+            a = F.relu(a @ prm[f"w{layer}"] + prm[f"b{layer}"])
+        return (a @ prm["w3"] + prm["b3"]) + (kw["dense"] @ prm["w_wide"] + prm["b_wide"])
+
     # compulsory: indices, dense features, the table rows actually touched (at most every
     # gathered row once), all MLP weights, the output
     touched = sum(len(np.unique(inputs[f"idx{i}"])) for i in range(fields)) * dim * 4
     cbytes = (_nbytes(*inputs.values(), *p.values()) + touched + _out_bytes((batch, 1)))
     flops = (fields * batch * bag * dim
              + 2.0 * batch * (d_in * hid + 2 * hid * hid + hid + ndense) + 4.0 * batch * hid * 3)
-    return Workload(f"wide_deep[B{batch}]", model, inputs, numpy_fn, cbytes, flops)
+    return Workload(f"wide_deep[B{batch}]", model, inputs, numpy_fn, cbytes, flops, "", {**tables, **p},
+                    compute)
 
 
 def conv_bn_lrelu_res(quick: bool = False) -> Workload:
@@ -384,9 +531,15 @@ def conv_bn_lrelu_res(quick: bool = False) -> Workload:
         bn = (conv - mean[:, None, None]) * bn_scale[:, None, None] + beta[:, None, None]
         return np.where(bn >= 0, bn, np.float32(0.1) * bn) + x
 
+    def compute(F, p, x):
+        conv = F.conv3x3(x, p["w"], p["cb"])
+        bn = (conv - p["mean"][:, None, None]) * p["bn_scale"][:, None, None] + p["beta"][:, None, None]
+        return F.leaky_relu(bn, 0.1) + x
+
     flops = 2.0 * n * c * hh * ww * c * 9 + 6.0 * x.size
     return Workload(f"conv3x3_bn_lrelu_res[{n},{c},{hh},{ww}]", model, {"x": x}, numpy_fn,
-                    _nbytes(x, *inits.values()) + _out_bytes(x.shape), flops)
+                    _nbytes(x, *inits.values()) + _out_bytes(x.shape), flops, "",
+                    {"w": w, "cb": cb, "mean": mean, "bn_scale": bn_scale, "beta": beta}, compute)
 
 
 def four_branches(quick: bool = False) -> Workload:
@@ -408,8 +561,12 @@ def four_branches(quick: bool = False) -> Workload:
                                (x2 * x2).sum(-1, keepdims=True), np.abs(x3).mean(-1, keepdims=True)],
                               axis=1)
 
+    def compute(F, p, x0, x1, x2, x3):
+        return F.concat([F.sum(F.exp(x0), -1, True), F.max(F.tanh(x1), -1, True),
+                         F.sum(x2 * x2, -1, True), F.mean(F.abs(x3), -1, True)], 1)
+
     return Workload(f"four_branches[4x{m},{k}]", model, inputs, numpy_fn,
-                    _nbytes(*inputs.values()) + _out_bytes((m, 4)), 8.0 * m * k)
+                    _nbytes(*inputs.values()) + _out_bytes((m, 4)), 8.0 * m * k, "", {}, compute)
 
 
 def matmul(quick: bool = False) -> Workload:
@@ -423,8 +580,11 @@ def matmul(quick: bool = False) -> Workload:
     def numpy_fn(a, b):
         return a @ b
 
+    def compute(F, p, a, b):
+        return a @ b
+
     return Workload(f"matmul[{n}x{n}x{n}]", model, {"a": a, "b": b}, numpy_fn,
-                    _nbytes(a, b) + _out_bytes((n, n)), 2.0 * n ** 3)
+                    _nbytes(a, b) + _out_bytes((n, n)), 2.0 * n ** 3, "", {}, compute)
 
 
 # name used by --only -> builder
@@ -443,5 +603,20 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
-def build(name: str, quick: bool = False) -> Workload:
+# workloads whose ONNX graph has an exporter and a decomposed form (the others have one, "")
+TWO_FORMS = frozenset({"layernorm", "softmax", "logsoftmax", "bias_gelu", "bert_layer"})
+
+
+def forms(name: str) -> tuple:
+    """The forms :func:`build` accepts for ``name``: :data:`FORMS`, or ``("",)``."""
+    return FORMS if name in TWO_FORMS else ("",)
+
+
+def build(name: str, quick: bool = False, form: str = "") -> Workload:
+    """``form``: "exporter" or "decomposed" for the :data:`TWO_FORMS` workloads ("" = exporter);
+    "" for the others."""
+    if name in TWO_FORMS:
+        return WORKLOADS[name](quick=quick, form=form or "exporter")
+    if form:
+        raise ValueError(f"{name} has one form; got form={form!r}")
     return WORKLOADS[name](quick=quick)

@@ -13,11 +13,19 @@ small configurations).  Per model, three new processes:
    so a hang names the pass it is in.
 2. **warm**: the same cache directory, ``jit`` + first call again, then the run-time contenders
    in the same process: apollo_py (``Options(num_threads=N)``), onnxruntime with all graph
-   optimisations and with none (``intra_op_num_threads=N``, no spinning), interleaved in blocks
-   of calls after a warm-up, median of ``--rounds`` rounds (benchmarks/run.py's method).  Also
+   optimisations and with none (``intra_op_num_threads=N``, no spinning), OpenVINO (CPU,
+   ``INFERENCE_PRECISION_HINT=f32``, N threads; where the ``bench`` extra is installed) and
+   ``torch.compile`` (default inductor, ``torch.set_num_threads(N)``) of the torch module the
+   file was exported from, rebuilt by benchmarks/zoo/zoo_models.py with the export's seed (where
+   the ``zoo`` extra is installed; not for the trained models, which have no torch source),
+   interleaved in blocks of calls after a warm-up, median of ``--rounds`` rounds
+   (benchmarks/run.py's method).  The process is pinned to N CPUs when it has more
+   (benchmarks/threads.py).  ``--contenders`` picks the optional ones.  Also
    the step and generated-kernel counts of ``f.plan``, fallback ops (``plan.coverage``), and
    max|Δ|/max|ref| of apollo_py against onnxruntime-all and of onnxruntime-none against
-   onnxruntime-all (its own disagreement, the tolerance's yardstick).
+   onnxruntime-all (its own disagreement, the tolerance's yardstick); OpenVINO's and
+   torch.compile's are recorded too (``ov_rel_err``, ``tc_rel_err``), and a contender that
+   fails or disagrees by more than 1e-2 is left out of the timing with a note.
 
 Timings on a shared machine are only indicative; the table says so.
 """
@@ -131,7 +139,71 @@ def _trace_fusion(log: list) -> None:
     layer1._fuse = traced
 
 
-def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump_after: float) -> dict:
+OPTIONAL = ("openvino", "torch.compile")
+TRUSTED_REL_ERR = 1e-2  # a contender further than this from onnxruntime is not timed
+
+
+def _optional_contenders(rec: dict, path: str, feeds: dict, threads: int, want: list, which) -> tuple:
+    """OpenVINO-f32 and torch.compile of the source module, as far as installed and working:
+    returns (name -> fn, result fields, notes)."""
+    from contenders import NA, openvino
+    fns, res, notes = {}, {}, {}
+    if "openvino" in which:
+        try:
+            fn, res["ov_compile_s"] = openvino(path, feeds, None, threads)
+            res["ov_rel_err"] = _rel_err(fn(), want)
+            if res["ov_rel_err"] <= TRUSTED_REL_ERR:
+                fns["ov"] = fn
+            else:
+                notes["openvino"] = f"rel err {res['ov_rel_err']:.1e} against onnxruntime: not timed"
+        except NA as exc:
+            notes["openvino"] = str(exc)
+    if "torch.compile" in which:
+        try:
+            fns["tc"], res["tc_compile_s"], res["tc_rel_err"] = _torch_compile(rec, feeds, threads, want)
+            if res["tc_rel_err"] > TRUSTED_REL_ERR:
+                del fns["tc"]
+                notes["torch.compile"] = f"rel err {res['tc_rel_err']:.1e} against onnxruntime: not timed"
+        except NA as exc:
+            notes["torch.compile"] = str(exc)
+    return fns, res, notes
+
+
+def _torch_compile(rec: dict, feeds: dict, threads: int, want: list):
+    """torch.compile (default inductor) of the zoo module the file was exported from."""
+    from contenders import NA
+    try:
+        import torch
+        sys.path.insert(0, str(HERE / "zoo"))
+        import zoo_models
+    except ImportError as exc:
+        raise NA(f"needs the zoo extra (torch, torchvision, timm, transformers): {exc}") from None
+    if rec.get("builder") not in zoo_models.FAMILIES:
+        raise NA("no torch source (a trained model shipped as ONNX)")
+    torch.set_num_threads(threads)
+    try:
+        zm = zoo_models.build(rec["builder"], rec.get("size", "full"))  # export.py's seed
+    except ImportError as exc:  # torchvision / timm / transformers
+        raise NA(f"needs the zoo extra (torch, torchvision, timm, transformers): {exc}") from None
+    args = [torch.from_numpy(feeds[n]) for n in zm.input_names]
+    mod = torch.compile(zm.module, dynamic=False)
+    no_grad = torch.no_grad
+
+    def run():
+        with no_grad():
+            return mod(*args)
+    t0 = time.perf_counter()
+    try:
+        out = run()
+    except Exception as exc:  # noqa: BLE001 - reported as a note
+        raise NA(f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}") from None
+    compile_s = time.perf_counter() - t0
+    out = out if isinstance(out, (tuple, list)) else [out]
+    return run, compile_s, _rel_err([o.numpy() for o in out[:len(want)]], want)
+
+
+def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump_after: float,
+           which=OPTIONAL) -> dict:
     import faulthandler
     if dump_after > 0:  # a hang leaves the stacks on stderr before the parent kills us
         faulthandler.dump_traceback_later(dump_after, exit=False)
@@ -171,8 +243,11 @@ def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump
     cov = plan.coverage
     res["fallback"] = cov.fallback_count
     res["fallback_ops"] = sorted({t for _, t, _ in cov.fallback})
+    extra, fields, notes = _optional_contenders(rec, path, feeds, threads, want, which)
+    res.update(fields)
+    res["notes"] = notes
     ms = _time_interleaved({"apollo": lambda: f(**feeds), "ort_all": lambda: s_all.run(None, feeds),
-                            "ort_none": lambda: s_none.run(None, feeds)}, rounds)
+                            "ort_none": lambda: s_none.run(None, feeds), **extra}, rounds)
     res.update({f"{k}_ms": v for k, v in ms.items()})
     return res
 
@@ -182,9 +257,12 @@ def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump
 
 
 def _run_worker(mode, path, cache_dir, args) -> dict:
-    limit = args.limit if mode == "cold" else args.limit + 120  # the warm one also times contenders
+    # the warm one also times contenders; torch.compile's inductor takes minutes on large models
+    limit = args.limit if mode == "cold" else args.limit + 120 + (
+        600 if "torch.compile" in args.contenders else 0)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, str(path), "--cache", cache_dir,
-           "--threads", str(args.threads), "--rounds", str(args.rounds), "--dump-after", str(max(limit - 10, 1))]
+           "--threads", str(args.threads), "--rounds", str(args.rounds), "--dump-after", str(max(limit - 10, 1)),
+           "--contenders", *args.contenders]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     try:
@@ -261,25 +339,51 @@ def _fmt(v, spec=".2f"):
 
 
 def table(rows: list) -> str:
-    head = ("| model | cold s | warm s | apollo ms | ort-all ms | ort-none ms | apollo/ort-all | steps "
-            "| kernels | fallback | rel err | ort none-vs-all | cold s by pass |")
-    out = [head, "|" + "|".join(["---"] * 13) + "|"]
+    head = ("| model | cold s | warm s | apollo ms | ort-all ms | ort-none ms | ov-f32 ms | torch.compile ms "
+            "| apollo/ort-all | apollo/ov-f32 | steps | kernels | fallback | rel err | ort none-vs-all "
+            "| cold s by pass |")
+    out = [head, "|" + "|".join(["---"] * 16) + "|"]
     for r in rows:
         c, w = r["cold"], r.get("warm", {})
         if "error" in c:
             where = c.get("stack", [""])[0].replace('File "', "").split("apollo_py/")[-1].replace('", line', ":")
-            out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | | {where} |")
+            out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | | | | | {where} |")
             continue
         passes = ", ".join(f"{k} {v}" for k, v in (c.get("progress") or {}).items())
         if "error" in w:
-            out.append(f"| {r['model']} | {c['compile_s']:.1f} | **{w['error'][:80]}** | | | | | | | | | | {passes} |")
+            out.append(f"| {r['model']} | {c['compile_s']:.1f} | **{w['error'][:80]}** | | | | | | | | | | | | "
+                       f"| {passes} |")
             continue
         ratio = w["apollo_ms"] / w["ort_all_ms"] if w.get("ort_all_ms") else None
+        ov_ratio = w["apollo_ms"] / w["ov_ms"] if w.get("ov_ms") else None
         fb = f"{w['fallback']} ({', '.join(w['fallback_ops'])})" if w["fallback"] else "0"
         out.append(f"| {r['model']} | {c['compile_s']:.1f} | {w['compile_s']:.2f} | {w['apollo_ms']:.3f} "
-                   f"| {w['ort_all_ms']:.3f} | {w['ort_none_ms']:.3f} | {_fmt(ratio)} | {w['steps']} "
+                   f"| {w['ort_all_ms']:.3f} | {w['ort_none_ms']:.3f} | {_fmt(w.get('ov_ms'), '.3f')} "
+                   f"| {_fmt(w.get('tc_ms'), '.3f')} | {_fmt(ratio)} | {_fmt(ov_ratio)} | {w['steps']} "
                    f"| {w['kernels']} | {fb} | {w['rel_err']:.1e} | {w['ort_none_vs_all']:.1e} | {passes} |")
     return "\n".join(out)
+
+
+def summary(rows: list) -> str:
+    """Issue #14's zoo yardsticks: geomean and worst of apollo/ort-all and apollo/ov-f32 over the
+    models that have both times."""
+    import math
+    out = []
+    for label, key in (("ort-all", "ort_all_ms"), ("ov-f32", "ov_ms"), ("torch.compile", "tc_ms")):
+        ratios = [(r["warm"]["apollo_ms"] / r["warm"][key], r["model"]) for r in rows
+                  if r.get("warm", {}).get("apollo_ms") and r["warm"].get(key)]
+        if ratios:
+            geo = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+            worst = max(ratios)
+            out.append(f"- apollo/{label}: geomean {geo:.2f} over {len(ratios)} models, "
+                       f"max {worst[0]:.2f} ({worst[1]})")
+    return "\n".join(out)
+
+
+def table_notes(rows: list) -> str:
+    """The summary line, then why an optional contender's cell is empty, per model."""
+    return "\n".join([summary(rows)] + [f"- {r['model']} / {k}: {why}" for r in rows
+                                        for k, why in (r.get("warm", {}).get("notes") or {}).items()]).strip()
 
 
 def main(argv=None) -> int:
@@ -292,19 +396,26 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="substrings of file names to run")
     ap.add_argument("--limit", type=float, default=300, help="cold-compile wall-time limit per model (s)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="threads for every contender (default 2)")
+    ap.add_argument("--contenders", nargs="*", choices=OPTIONAL, default=list(OPTIONAL),
+                    help="optional contenders to time where installed (default: all; none: --contenders)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--write-results", action="store_true", help="replace the zoo table in benchmarks/RESULTS.md")
     ap.add_argument("--from-json", nargs="*", type=Path, help="print (and --write-results) the table of "
                     "earlier --json runs instead of running")
     args = ap.parse_args(argv)
     if args.worker:
+        sys.path.insert(0, str(HERE))
+        import threads  # before numpy, onnxruntime, torch or jax load
+        threads.limit_threads(args.threads)
         mode, path = args.worker
-        print(json.dumps(worker(mode, path, args.cache, args.threads, args.rounds, args.dump_after)))
+        print(json.dumps(worker(mode, path, args.cache, args.threads, args.rounds, args.dump_after,
+                                args.contenders)))
         return 0
     if args.from_json:
         rows = [r for p in args.from_json for r in json.loads(p.read_text())]
-        text = table(rows)
+        notes = table_notes(rows)
+        text = table(rows) + ("\n\n" + notes if notes else "")
         print(text)
         if args.write_results:
             _write_results(text, args, rows)
@@ -320,11 +431,14 @@ def main(argv=None) -> int:
         c, w = row["cold"], row.get("warm", {})
         status = c.get("error") or w.get("error") or \
             f"cold {c['compile_s']:.1f}s warm {w['compile_s']:.2f}s apollo {w['apollo_ms']:.3f}ms " \
-            f"ort {w['ort_all_ms']:.3f}ms err {w['rel_err']:.1e}"
+            f"ort {w['ort_all_ms']:.3f}ms ov {_fmt(w.get('ov_ms'), '.3f')}ms " \
+            f"torch.compile {_fmt(w.get('tc_ms'), '.3f')}ms err {w['rel_err']:.1e}"
         print(f"{name:44s} {status}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
     text = table(rows)
+    notes = table_notes(rows)
+    text = text + ("\n\n" + notes if notes else "")
     print(text)
     if args.write_results:
         _write_results(text, args, rows)

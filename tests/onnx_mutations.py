@@ -1,6 +1,7 @@
 """ONNX-level mutation fuzzing (issue #16 item 3): the example models with one random defect --
 an attribute flipped, an input dropped, a dtype or dim changed, a cycle, a dangling name, a
-truncated protobuf, an absurd opset.  Loading, compiling and running may succeed or raise an
+truncated protobuf, an absurd opset -- and, from seed ``ZOO_SEED0`` on, the same defects in
+torch.onnx exports of the model zoo (tests/models/zoo).  Loading, compiling and running may succeed or raise an
 ApolloError subclass; anything else is a finding.  One seed = one mutation, reproducible."""
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import make_models as mm  # noqa: E402
 
 MODELS = ("make_mlp", "make_conv_block", "make_attention", "make_layernorm_gelu", "make_softmax_chain")
+#: torch.onnx exports (tests/models/zoo; dynamo and TorchScript, with Gather/Concat/Gemm index
+#: plumbing, int64 ids, LSTM/GRU): mutated from seed ZOO_SEED0 on
+ZOO_MODELS = ("dlrm_small.dynamo.onnx", "dlrm_small.torchscript.onnx", "lstm_gru_small.torchscript.onnx")
+ZOO_SEED0 = 10**7
+ZOO_DIR = Path(__file__).resolve().parent / "models" / "zoo"
 MUTATIONS = ("flip_attribute", "drop_input", "change_dtype", "change_dim", "cycle", "dangling",
              "truncate", "opset", "rename_output", "duplicate_output")
 _BASE: dict = {}
@@ -23,17 +29,22 @@ _BASE: dict = {}
 
 def _base(name):
     if name not in _BASE:
-        m = getattr(mm, name)()
-        _BASE[name] = (m.SerializeToString(), mm.example_inputs(m))
+        if name.endswith(".onnx"):
+            from soak_lib import zoo_feeds
+            _BASE[name] = ((ZOO_DIR / name).read_bytes(), zoo_feeds(name, ZOO_DIR))
+        else:
+            m = getattr(mm, name)()
+            _BASE[name] = (m.SerializeToString(), mm.example_inputs(m))
     return _BASE[name]
 
 
 def mutate(seed: int) -> tuple[str, bytes | onnx.ModelProto, dict]:
     """(description, mutated model, feeds) for ``seed``."""
     rng = np.random.default_rng(seed)
-    name = MODELS[seed % len(MODELS)]
+    models = ZOO_MODELS if seed >= ZOO_SEED0 else MODELS
+    name = models[seed % len(models)]
     raw, feeds = _base(name)
-    kind = MUTATIONS[(seed // len(MODELS)) % len(MUTATIONS)]
+    kind = MUTATIONS[(seed // len(models)) % len(MUTATIONS)]
     m = onnx.ModelProto()
     m.ParseFromString(raw)
     nodes = m.graph.node
@@ -82,14 +93,42 @@ def mutate(seed: int) -> tuple[str, bytes | onnx.ModelProto, dict]:
     return what, m, feeds
 
 
+def _names(model) -> set[str]:
+    """What an error about ``model`` may name: its nodes (name, op type), values and inputs."""
+    if not isinstance(model, onnx.ModelProto):
+        return set()
+    g = model.graph
+    out = {n.name for n in g.node} | {n.op_type for n in g.node}
+    out |= {v for n in g.node for v in (*n.input, *n.output)}
+    out |= {v.name for v in (*g.input, *g.output, *g.initializer)}
+    return {n for n in out if n}
+
+
+#: what an error about a model-level defect (truncated bytes, absurd opset) names instead
+_MODEL_LEVEL = ("opset", "protobuf", "ModelProto", "ONNX model", "parse")
+
+
+def unnamed(message: str, model, kind: str = "") -> bool:
+    """True when ``message`` names no node (name or op type), value or input of ``model`` as a
+    whole word -- nor, for the model-level defects ``truncate`` and ``opset``, the opset or the
+    model's bytes."""
+    import re
+    for n in _names(model):
+        if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", message):
+            return False
+    return not (kind in ("truncate", "opset") and any(w in message for w in _MODEL_LEVEL))
+
+
 def check_mutation(seed: int) -> str | None:
-    """None when the mutated model loads, compiles and runs or raises an ApolloError, else a
-    one-line description of the raw exception."""
+    """None when the mutated model loads, compiles and runs, or raises an ApolloError whose
+    message names the node or input (:func:`unnamed`); else a one-line description."""
     what, model, feeds = mutate(seed)
     try:
         f = ap.jit(model, options=ap.Options(machine="conservative", max_memory=2**30))
         f.run(**{k: v for k, v in feeds.items() if k in f.input_names})
-    except ap.ApolloError:
+    except ap.ApolloError as e:
+        if unnamed(str(e), model, what.split(": ")[-1].split()[0]):
+            return f"{what}: {type(e).__name__} names no node or input: {str(e).splitlines()[0][:200]}"
         return None
     except Exception as e:  # noqa: BLE001 - the finding
         return f"{what}: raw {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

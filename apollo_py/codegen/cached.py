@@ -121,7 +121,9 @@ def compile_module(text: str, build, cache_dir: str | None, name: str):
     behind the piecewise cache: ``text`` determines the module (its source, or what the source
     is rendered from), ``build()`` renders and parses it into a module.  A hit loads the stored
     object code; a miss optimises (O3), emits and stores it.  Engines are shared within the process by key (keep them alive as long as their code runs)."""
+    from ..deadline import check as check_deadline
     from .llvm import _compile_lock, host, run_o3
+    check_deadline("GEMM codegen", f"module {name!r}")
     key = piece_key(hashlib.sha256(text.encode()).hexdigest(), "cpu-module", {"backend": _backend_digest()})
     with _LOCK:
         done = _ENGINES.get(key)
@@ -159,9 +161,11 @@ def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=Non
     ``keys``: their cache keys where known ("" where not); ``progress`` (a
     :class:`apollo_py.progress.Progress` or None) counts kernels done.
     """
+    from ..deadline import check as check_deadline
     cache = piece_cache(cache_dir)
     out = []
     for k, key in zip(kernels, keys or [""] * len(kernels)):
+        check_deadline("LLVM codegen", f"kernel {k.name!r}")
         out.append(compile_cached(k, cache, key))
         if progress is not None:
             progress.step()

@@ -149,6 +149,7 @@ class GemmDesc:
     a_value: str = ""       # the values the step reads as A and B ("" : the head's inputs)
     b_value: str = ""
     b_const: bool = False   # B is a constant: packed once (CompiledGemm.packed_b), not per tile
+    a_const: bool = False   # A is a constant (a conv's weight): packed once (CompiledGemm.packed_a)
     out_perm: Optional[tuple] = None   # outputs stored as transpose(C, out_perm) (a folded Transpose)
     stored_as: tuple = ()   # the values the stored outputs are bound to ("": ``outputs``)
 
@@ -514,8 +515,12 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: st
           "  %abv = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
           f"  %ip0 = mul i64 %ig, {lay.pan_per_group}", f"  %ipe = add i64 %ip0, {lay.pan_per_group}",
           f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
-          "  store i64 %abv, ptr %ainfo", "  store i64 %ip0, ptr %ai1", "  %npa = sub i64 %ip1, %ip0",
-          f"  call void @{pack_a}(ptr %aargs, i64 0, i64 %npa) #2",   # not inlined: compile time
+          *([f"  %apo0 = mul i64 %abv, {lay.npan_a}", "  %apo1 = add i64 %apo0, %ip0",
+             f"  %apo = mul i64 %apo1, {d.k * bl.mr}", "  %ablk = getelementptr float, ptr %asrc, i64 %apo"]
+            if d.a_const else
+            ["  store i64 %abv, ptr %ainfo", "  store i64 %ip0, ptr %ai1", "  %npa = sub i64 %ip1, %ip0",
+             f"  call void @{pack_a}(ptr %aargs, i64 0, i64 %npa) #2",   # not inlined: compile time
+             "  %ablk = getelementptr float, ptr %ascr, i64 0"]),
           "  br label %pcond",
           "pcond:", "  %pc = phi i64 [0, %tbody], [%pcn, %inext_p]",
           f"  %pcc = icmp slt i64 %pc, {nkc}", "  br i1 %pcc, label %pbody, label %tnext",
@@ -538,7 +543,7 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: st
           f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})",
           "  %ipl = sub i64 %ip, %ip0",
           f"  %aoff0 = mul i64 %ipl, {d.k * bl.mr}", "  %aoff = add i64 %aoff0, %ak0",
-          "  %ap = getelementptr float, ptr %ascr, i64 %aoff", "  store i64 %i0, ptr %ei1",
+          "  %ap = getelementptr float, ptr %ablk, i64 %aoff", "  store i64 %i0, ptr %ei1",
           f"  %crow = mul i64 %ipl, {npb * tile}",
           "  br label %jcond",
           "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
@@ -591,7 +596,7 @@ class CompiledGemm:
     """
 
     def __init__(self, desc: GemmDesc, bl: Blocking, lay: GemmLayout, engine, ir: str,
-                 main_params: tuple, pack_b: Optional[L.Kernel] = None):
+                 main_params: tuple, pack_b: Optional[L.Kernel] = None, pack_a: Optional[L.Kernel] = None):
         self.desc, self.blocking, self.layout = desc, bl, lay
         self.engine = engine   # owns the machine code
         self.ir = ir
@@ -599,6 +604,9 @@ class CompiledGemm:
         self.main = CompiledKernelBase(main, engine.get_function_address(desc.name))
         self.pack_b = (CompiledKernelBase(pack_b, engine.get_function_address(pack_b.name))
                        if pack_b is not None else None)
+        self.pack_a = (CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
+                       if pack_a is not None else None)
+        self._packed_a: tuple = (None, None)
         # one thread below this many flops: a pool wake-up costs more than the second core gives
         self.inline = 2 * desc.batch * desc.m * desc.n * desc.k < SMALL_FLOPS
         self._packed: tuple = (None, None)
@@ -624,7 +632,28 @@ class CompiledGemm:
         self._packed = (bsrc, packed)
         return packed
 
+    def packed_a(self, a: np.ndarray) -> np.ndarray:
+        """``a`` (a constant A) packed once into ``[A batch][panel][k][MR]``; kept for the next
+        call with the same array."""
+        src, packed = self._packed_a
+        if src is a:
+            return packed
+        d, lay, bl = self.desc, self.layout, self.blocking
+        pan = d.k * bl.mr
+        ppg = lay.pan_per_group     # the kernel packs at most one row group per call
+        # (a row group's worth of slack at the end: the kernel's buffer is a full group)
+        packed = _aligned_zeros((d.a_batches * lay.npan_a + ppg) * pan)
+        for ab in range(d.a_batches):
+            for p0 in range(0, lay.npan_a, ppg):
+                at = (ab * lay.npan_a + p0) * pan
+                self.pack_a([packed[at:at + ppg * pan], a, np.array([ab, p0], np.int64)], 0,
+                            min(ppg, lay.npan_a - p0))
+        self._packed_a = (a, packed)
+        return packed
+
     def run(self, pool, a: np.ndarray, bsrc: np.ndarray, operands, outputs) -> None:
+        if self.desc.a_const:
+            a = self.packed_a(a)
         if self.desc.b_const:
             bsrc = self.packed_b(bsrc)
         if self.inline or pool is None:
@@ -689,8 +718,10 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
     # module's source are in the key too), so a cache hit renders nothing
     engine, ir = compile_module(repr((d, bl, lay)), build, cache_dir, d.name)
     bparam = L.Param("bpk_all", "float32", packed_b_size(d, lay)) if d.b_const else pack_b.params[1]
-    main_params = (pack_a.params[1], bparam, *epi.params[2:])
-    cg = CompiledGemm(d, bl, lay, engine, ir, main_params, pack_b if d.b_const else None)
+    aparam = L.Param("apk_all", "float32", d.a_batches * lay.npan_a * d.k * bl.mr) if d.a_const else pack_a.params[1]
+    main_params = (aparam, bparam, *epi.params[2:])
+    cg = CompiledGemm(d, bl, lay, engine, ir, main_params, pack_b if d.b_const else None,
+                      pack_a if d.a_const else None)
     cg.desc = named     # the step reads and binds values by the graph's names
     return cg
 

@@ -133,7 +133,12 @@ def _check(proto, path, model) -> None:
                      "Field 'shape' of 'type' is required but missing")
         if not any(t in text for t in tolerated):
             first = text.splitlines()[0] if text else type(e).__name__
-            raise ModelLoadError(f"invalid ONNX model: {first}") from None
+            # the checker names the node on a later line ("==> Context: Bad node spec for
+            # node. Name: bn OpType: BatchNormalization"): keep it, the first line does not
+            import re
+            ctx = re.search(r"Name: (\S*) OpType: (\S+)", text)
+            where = f"node {ctx.group(1)!r} ({ctx.group(2)}): " if ctx else ""
+            raise ModelLoadError(f"invalid ONNX model: {where}{first}") from None
 
 
 def _program_from(proto, mapped) -> "OnnxProgram":
@@ -447,7 +452,9 @@ class OnnxProgram(Program):
             env[spec.name] = b.input(spec.name, shapes[spec.name], spec.dtype)
         lowering = Lowering(b, env, self.initializers, self.opset, options)
         input_names = [s.name for s in self.inputs]
+        from ..deadline import check as check_deadline
         for k, node in enumerate(self.nodes):
+            check_deadline("ONNX lowering", node.describe())
             try:
                 lowering.run(node)
             except DataDependent as e:

@@ -54,12 +54,28 @@ def compile_program(program, shapes: Mapping[str, tuple], options) -> Any:
     from ..options import Options
 
     options = options if options is not None else Options()
+    from ..deadline import compile_deadline
+    with compile_deadline(options, getattr(program, "name", "")):
+        return _compile_program(program, shapes, options)
+
+
+def _compile_program(program, shapes, options):
+    from ..compiler import compile_graph
+    from .model_cache import ModelFileProgram, load_executable, save_executable
+    cached = isinstance(program, ModelFileProgram)
+    if cached:      # a model file compiled before at these shapes: no pass runs again
+        exe = load_executable(program, shapes, options)
+        if exe is not None:
+            return exe
     lower = getattr(program, "lower", None)
     if lower is None:
         return compile_graph(program.specialize(shapes), options)
     lowered = lower(shapes, options)
     if lowered.split is None:
-        return compile_graph(lowered.graph, options)
+        exe = compile_graph(lowered.graph, options)
+        if cached:
+            save_executable(program, shapes, options, exe)
+        return exe
     return StagedExecutable(program, lowered, options)
 
 

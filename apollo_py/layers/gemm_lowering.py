@@ -125,6 +125,24 @@ def auto_choice(desc) -> str:
             "linear layers while OpenBLAS's threads lose 3-30x on the shared 2-core box")
 
 
+def _direct_conv(head: Node, types, options: Options) -> str:
+    """Why the direct kernel (codegen/conv_direct.py) runs conv ``head`` ("" = implicit GEMM):
+    a grouped conv on the CPU whose per-output sum is at most ``MAX_TAPS`` terms, or a 1x1 conv
+    of a 1x1 image (a matrix-vector product)."""
+    from ..codegen.conv_direct import MAX_TAPS
+    if head.op != "conv" or options.target in ("cuda", "cuda-emu"):
+        return ""
+    group = int(head.attrs["group"])
+    cg, kh, kw = types[head.inputs[1]].shape[1:]
+    if types[head.inputs[0]].shape[2:] == (1, 1) and (kh, kw) == (1, 1) \
+            and types[head.outputs[0]].shape[2:] == (1, 1):
+        return f"1x1 conv of a 1x1 image: matrix-vector product of {cg} terms per output"
+    if group == 1 or cg * kh * kw > MAX_TAPS:
+        return ""
+    kind = "depthwise" if cg == 1 else f"{group} groups of {cg} channels"
+    return f"{kind}, {cg * kh * kw} taps: an implicit GEMM per group would fill its micro-tile with {types[head.inputs[1]].shape[0] // group} row(s)"
+
+
 def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Options, group: tuple):
     """``(spec, rest, reason)``: the generated-GEMM StepSpec for ``head`` plus the fused prefix
     of ``epilogue`` (``rest`` = the nodes left for layer 1), or ``(None, epilogue, reason)``
@@ -162,7 +180,13 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
                out_dtypes=tuple(types[v].dtype for v in outs), inline_consts=inline,
                node_dtypes=tuple(types[n.outputs[0]].dtype for n in fused))
     x, w = head.inputs
-    if head.op == "conv":
+    direct = _direct_conv(head, types, options)
+    if direct:
+        from ..codegen.conv_direct import direct_conv_desc
+        desc = direct_conv_desc(name.replace("gemm_", "dconv_", 1), types[x].shape, types[w].shape, shape,
+                                head.attrs, head.outputs[0], **epi)
+        what = f"direct conv (generated; {direct})"
+    elif head.op == "conv":
         desc = conv_desc(name, types[x].shape, types[w].shape, shape, head.attrs, head.outputs[0], **epi)
         what = "implicit-GEMM conv (generated)"
     else:
@@ -173,7 +197,8 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
     fused_ops = "+".join(n.op for n in fused) or "none"
     reason = f"{what}; batch {desc.batch}, {desc.m}x{desc.n}x{desc.k}; epilogue {fused_ops}"
     ins = tuple(dict.fromkeys([*head.inputs, *(o.value for o in operands)]))
-    spec = StepSpec(ins, outs, nodes=(head, *fused), reason=reason, micro_graphs=tuple(group), gemm=desc)
+    spec = StepSpec(ins, outs, nodes=(head, *fused), reason=reason, micro_graphs=tuple(group), gemm=desc,
+                    const_inputs=tuple(v for v in head.inputs if v in consts))
     return spec, rest, ""
 
 

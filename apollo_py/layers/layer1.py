@@ -225,6 +225,9 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
     seconds = options.schedule_timeout if budget is None else None
     reason = None
     kname = f"{base}_{len(out)}"
+    from ..deadline import check as check_deadline
+    check_deadline("layer 1 fusion", lambda: f"kernel {kname!r}" + (
+        f" (first node {nodes[0].op} {nodes[0].label!r})" if nodes else ""))
     if budget is None and sig in _overlay_splits(options):
         # the rule overlay says this pattern was refused before: split it (or schedule the
         # single node unbounded) without paying the isl attempt and logging it again

@@ -61,7 +61,9 @@ def stitch_parallel(kernels: Sequence, machine: Machine, policy: ParallelPolicy 
     depth = _levels(kernels)
     threshold = machine.launch if policy.min_gain is None else policy.min_gain
     groups: list[tuple] = []
+    from ..deadline import check as check_deadline
     for level in sorted(set(depth)):
+        check_deadline("layer 3 parallel stitching", f"kernel level {level}")
         members = [k for k, d in zip(kernels, depth) if d == level]
         cost = {id(k): machine.cost(k.bytes, k.flops) for k in members}
         cands = [k for k in members if not k.compute_bound and cost[id(k)] <= policy.max_cost]

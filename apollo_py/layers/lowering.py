@@ -23,7 +23,7 @@ from ..errors import CompileError
 from ..ir.graph import Graph
 from ..options import Options
 from .fuse_memo import fuse_nodes
-from .layer2 import stitch_groups
+from .layer2 import absorb_concats, absorb_index_maps, stitch_groups
 from .steps import StepSpec
 
 REFERENCE_OPS = {"reshape", "transpose", "slice", "concat", "pad", "gather", "onnx_op", "scatter_add",
@@ -45,19 +45,25 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
     ``progress`` (a :class:`apollo_py.progress.Progress` or None) counts micro-graphs done.
     """
     types = graph.types
+    groups = absorb_index_maps(stitch_groups(micro_graphs, types), micro_graphs, graph.outputs)
+    groups = absorb_concats(groups, micro_graphs, graph.outputs)
+    # values read after each group, in the groups' order (the absorb passes move index maps
+    # and concat producers, so micro-graph order no longer says what is read later)
     reads_after: list[set] = []
     acc: set = set(graph.outputs)
-    for m in reversed(micro_graphs):
+    for group in reversed(groups):
         reads_after.append(set(acc))
-        acc |= set(m.inputs)
+        acc |= {v for k in group for v in micro_graphs[k].inputs}
     reads_after.reverse()
 
+    from ..deadline import check as check_deadline
     steps: list[StepSpec] = []
-    for group in stitch_groups(micro_graphs, types):
+    for gi, group in enumerate(groups):
+        check_deadline("layer 1 fusion", lambda: _micro_graph_label(micro_graphs, group))
         if progress is not None:
             progress.step(len(group))
         members = [micro_graphs[k] for k in group]
-        later = reads_after[group[-1]]
+        later = reads_after[gi]
         nodes = [n for m in members for n in m.nodes]
         first = members[0]
         why = _no_kernel_reason(nodes, types)
@@ -102,6 +108,16 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
         ins, outs = _boundary(nodes, graph, later)
         steps.extend(_fuse(nodes, ins, outs, graph, options, tuple(group), members))
     return steps
+
+
+def _micro_graph_label(micro_graphs, group) -> str:
+    """"micro-graph 3 (first node 'add_7', 4 nodes)" -- where a compile timeout names the work."""
+    m = micro_graphs[group[0]]
+    nodes = [n for k in group for n in micro_graphs[k].nodes]
+    first = f"{nodes[0].op} {nodes[0].label!r}" if nodes else "?"
+    src = f" from ONNX node {nodes[0].source[0]!r}" if nodes and nodes[0].source else ""
+    more = f"-{group[-1]}" if len(group) > 1 else ""
+    return f"micro-graph {group[0]}{more} ({m.kind}, {len(nodes)} nodes, first {first}{src})"
 
 
 def _no_kernel_reason(nodes, types) -> str:

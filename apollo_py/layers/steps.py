@@ -23,6 +23,7 @@ class StepSpec:
     micro_graphs: tuple = field(default=())
     gemm: object = None     # codegen.gemm.GemmDesc: the generated GEMM runs ``nodes``
     blas: object = None     # blas_fold.BlasDesc: one cblas ?gemm call runs ``nodes`` (blas_fold.py)
+    const_inputs: tuple = ()    # inputs that are graph constants (a GEMM packs them once)
 
     def to_dict(self) -> dict:
         if self.blas is not None:
@@ -75,6 +76,9 @@ class StepSpec:
         if self.gemm is not None:
             if kind == "c":
                 return f"; generated GEMM {self.gemm.name} has LLVM source only ({self.reason})"
+            from ..codegen.conv_direct import DirectConvDesc, render_direct_conv
+            if isinstance(self.gemm, DirectConvDesc):
+                return render_direct_conv(self.gemm)
             from ..codegen.gemm import render_gemm
             return render_gemm(self.gemm)
         if self.blas is not None:

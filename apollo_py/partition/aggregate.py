@@ -140,7 +140,9 @@ def aggregate(graph: Graph, rules: RuleTable) -> tuple[MicroGraph, ...]:
     """
     order = canonical_order(graph)
     state = _State(graph, order)
+    from ..deadline import check as check_deadline
     for rule in rules.rules:
+        check_deadline("partition", f"rule {rule.id!r}")
         state.apply(rule)
     result = []
     for gid in nx.lexicographical_topological_sort(state.dag):

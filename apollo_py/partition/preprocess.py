@@ -200,7 +200,9 @@ def simplify_algebra(graph: Graph) -> Graph:
     return _rebuild(graph, nodes, repl)
 
 
-PASSES: tuple[Callable[[Graph], Graph], ...] = (fold_constants, simplify_algebra,
+from .conv_fold import fold_conv_affine  # noqa: E402  (uses _rebuild above)
+
+PASSES: tuple[Callable[[Graph], Graph], ...] = (fold_constants, fold_conv_affine, simplify_algebra,
                                                  eliminate_common_subexpressions, eliminate_dead_code)
 
 

@@ -432,10 +432,18 @@ def bounded_isl_schedule(prog: PolyProgram, deps: Dependences, budget_ops: int,
     def compute() -> str:
         with budget(prog.ctx, budget_ops):
             return str(isl_schedule(prog, deps)[0])
+    from ..deadline import check as check_deadline, seconds_left
+    where = f"{len(prog.statements)} statements writing {list(prog.outputs)[:3]}"
+    check_deadline("layer 1 fusion (isl scheduler)", where)
+    left = seconds_left()
+    capped = left is not None and (seconds is None or left < seconds)
     try:
-        text = run_bounded(compute, seconds)
+        text = run_bounded(compute, max(left, 1e-3) if capped else seconds)
     except WallTimeExceeded:
-        raise BudgetExceeded(f"isl scheduler stopped after the {seconds:g} s wall-time limit") from None
+        if capped:      # the compile's deadline, not the scheduler's own limit: not a split
+            check_deadline("layer 1 fusion (isl scheduler)", where)
+        limit = max(left, 1e-3) if capped else seconds
+        raise BudgetExceeded(f"isl scheduler stopped after the {limit:g} s wall-time limit") from None
     except ChildError as e:
         if e.kind == "BudgetExceeded":
             raise BudgetExceeded(e.message) from None

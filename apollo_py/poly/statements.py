@@ -173,7 +173,15 @@ def build_program(nodes: Sequence[Node], types: Mapping[str, TensorType], inputs
         tname(v)
     raw = []          # (node index, node, opdef, Access)
     sizes: set[int] = set()
-    for k, n in enumerate(nodes):
+    for k, n in enumerate(_expand_index_maps(nodes, types)):
+        if isinstance(n, tuple):     # a copy through a concat / slice / transpose index map
+            n, acc = n
+            for t in (types[n.inputs[0]], types[n.outputs[0]]):
+                sizes.update(t.shape)
+            tname(n.inputs[0])
+            tname(n.outputs[0])
+            raw.append((k, n, get_op("stop_gradient"), acc))
+            continue
         opdef = get_op(n.op, n.label)
         if opdef.kind != COMPUTED or opdef.access is None:
             raise CompileError(f"node {n.label!r} ({n.op}): layer 1 needs an op with affine "
@@ -231,6 +239,53 @@ def build_program(nodes: Sequence[Node], types: Mapping[str, TensorType], inputs
         stmts.append(Statement(name, k, n, UPDATE, domain, write, reads, write, reducer))
     return PolyProgram(ctx, tuple(stmts), dict(tensors), dict(types), tuple(inputs), tuple(outputs),
                        pvals, context)
+
+
+#: reorganising ops that layer 1 takes as index maps (copy statements, _expand_index_maps)
+INDEX_MAP_OPS = ("concat", "slice", "transpose")
+
+
+def _expand_index_maps(nodes: Sequence[Node], types: Mapping[str, TensorType]) -> list:
+    """``nodes`` with every concat, slice and transpose replaced by copy statements through
+    their index maps (docs/design/stitching.md), as ``(piece node, Access)`` pairs:
+
+    * ``concat``: one copy per input, writing the input's slice of the output
+      (``Out[..., i_axis + offset, ...]``), so a producer in the same micro-graph writes
+      straight into that slice and its own tensor becomes a scalar;
+    * ``slice``: a copy over the output reading ``In0[start + step * i]`` per dim;
+    * ``transpose``: a copy over the output reading ``In0`` through the permutation;
+
+    so a consumer in the same micro-graph reads through the map instead of a copied tensor."""
+    from ..ops.access import domain_set, ivars, rel
+    from ..ops.registry import Access
+    out: list = []
+    for n in nodes:
+        if n.op not in INDEX_MAP_OPS:
+            out.append(n)
+            continue
+        if n.op != "concat":
+            src, dst = types[n.inputs[0]].shape, types[n.outputs[0]].shape
+            iv = ivars(len(dst))
+            if n.op == "transpose":
+                perm = [int(p) for p in n.attrs["perm"]]
+                idx = [iv[perm.index(d)] for d in range(len(src))]
+            else:
+                idx = []
+                for d, (s0, e0, st) in enumerate(zip(n.attrs["starts"], n.attrs["ends"], n.attrs["steps"])):
+                    start = slice(s0, None if e0 is not None and e0 < 0 else e0, st).indices(src[d])[0]
+                    idx.append(f"{start} + {st}*{iv[d]}" if dst[d] > 1 else str(start))
+            piece = n.replace(op="stop_gradient", attrs={}, name=f"{n.label}#map")
+            out.append((piece, Access(domain_set(iv, dst), rel(iv, "Out", iv), (rel(iv, "In0", idx),))))
+            continue
+        ax, off = int(n.attrs["axis"]), 0
+        for j, v in enumerate(n.inputs):
+            shape = types[v].shape
+            iv = ivars(len(shape))
+            idx = [f"{x} + {off}" if d == ax and off else x for d, x in enumerate(iv)]
+            piece = n.replace(op="stop_gradient", inputs=(v,), attrs={}, name=f"{n.label}#{j}")
+            out.append((piece, Access(domain_set(iv, shape), rel(iv, "Out", idx), (rel(iv, "In0", iv),))))
+            off += shape[ax]
+    return out
 
 
 def _identity_like(dom: isl.Set, rng: isl.Set) -> isl.Map:

@@ -9,6 +9,7 @@ call borrows its own arena.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..errors import CompileError
 from ..ir.graph import Graph
+from . import drive
 from .memory import ArenaPool, plan_memory
 from .reference import run_nodes
 
@@ -98,11 +100,22 @@ class CpuExecutable:
         self._pool = thread_pool(num_threads)
         self.plan = plan
         self._schedule = self._dispatch_schedule()
+        if plan is not None and hasattr(plan, "launches"):     # str(plan) shows layer 3's groups
+            index = {id(s): k for k, s in enumerate(self.steps)}
+            self.plan = dataclasses.replace(plan, launches=tuple(
+                tuple(index[id(s)] for s in item) for kind, item in self._schedule if kind == "kernels"))
         self._fresh = {v: (graph.types[v].shape, graph.types[v].np_dtype) for s in self.steps
                        if _writes_buffers(s) for v in s.outputs if v not in self.memory.slots}
         self._inplace: dict[tuple, str] = {}
         self._copy_out = tuple(v in self.memory.slots or v in self.constants or v in graph.inputs
                                or v in self._root for v in graph.outputs)
+        self._outs = tuple((v, c, v in self._fresh) for v, c in zip(graph.outputs, self._copy_out))
+        # the native driver (runtime/drive.py) runs runs of inline kernels and BLAS calls in
+        # one call; False (or a profiler's ``trace``) runs every step from Python instead
+        self.use_driver = True
+        self._program = None        # drive.Program, built on the first driven call
+        self._driver_fn = None
+        self._program_lock = threading.Lock()
 
     def _dispatch_schedule(self) -> list:
         """Steps in order, consecutive independent kernel steps merged into one dispatch.
@@ -187,19 +200,23 @@ class CpuExecutable:
         caller) receives them in place: kernels write into it directly, other steps' results
         are copied in."""
         out = out or {}
-        env: dict[str, np.ndarray] = dict(self.constants)
-        env.update(feeds)
         arena = self._arenas.acquire()
         try:
-            env.update(arena.views)     # every arena value, written before it is read
-            trace = self.trace
-            for k, (kind, item) in enumerate(self._schedule):
-                t0 = time.perf_counter() if trace is not None else 0.0
-                self._dispatch(kind, item, env, out, arena)
-                if trace is not None:
-                    trace.append((k, time.perf_counter() - t0))
+            trace = getattr(self._trace, "value", None)     # self.trace, without the property call
+            if self.use_driver and trace is None:
+                env = self._run_driven(feeds, out, arena)
+            else:
+                env: dict[str, np.ndarray] = dict(self.constants)
+                env.update(feeds)
+                env.update(arena.views)     # every arena value, written before it is read
+                for k, (kind, item) in enumerate(self._schedule):
+                    t0 = time.perf_counter() if trace is not None else 0.0
+                    self._dispatch(kind, item, env, out, arena)
+                    if trace is not None:
+                        trace.append((k, time.perf_counter() - t0))
             result = []
-            for v, copy in zip(self.graph.outputs, self._copy_out):
+            kept = {}       # fresh output arrays handed out as they are, recycled next call
+            for v, copy, fresh in self._outs:
                 a = env[v]
                 if v in out:
                     if a is not out[v]:
@@ -207,12 +224,39 @@ class CpuExecutable:
                     a = out[v]
                 elif copy or v in feeds:
                     a = a.copy()
+                elif fresh:
+                    kept[v] = a
                 result.append(a)
-            arena.keep_outputs({v: a for v, a in zip(self.graph.outputs, result)
-                                if v in self._fresh and v not in out and a is env[v]}, merge=bool(out))
+            arena.keep_outputs(kept, merge=bool(out))
             return result
         finally:
             self._arenas.release(arena)
+
+    def _run_driven(self, feeds: Mapping, out: Mapping, arena) -> dict:
+        """Run the schedule with its driver segments as one native call each (runtime/drive.py);
+        returns the values by name (constants, arena views, feeds and what the steps made)."""
+        prog = self._program
+        if prog is None:
+            with self._program_lock:    # two first calls at once build it once
+                prog = self._program
+                if prog is None:
+                    from ..codegen.driver import data_offset, drive_function
+                    self._driver_fn = self._driver_fn or drive_function()
+                    self._offset = data_offset()
+                    prog = self._program = drive.build_program(
+                        self, lambda s: isinstance(s, KernelStep) and _parts(s, self.machine) <= 1)
+        tables = arena.driver
+        if tables is None:
+            tables = arena.driver = drive.DriverTables(prog, arena, self.constants)
+        env = tables.env.copy()
+        env.update(feeds)
+        offset = self._offset
+        for kind, item in prog.entries:
+            if kind == "drive":
+                drive.run_segment(self, prog.segments[item], tables, item, env, out, arena, offset)
+            else:
+                self._dispatch(kind, item, env, out, arena)
+        return env
 
     def _bind_outputs(self, s, env, out, arena) -> None:
         fresh = self._fresh

@@ -6,7 +6,7 @@ writes every output value into a fresh array and binds it in ``env``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 import numpy as np
@@ -16,26 +16,38 @@ from ..errors import InputError
 
 @dataclass
 class GemmStep:
-    """One generated GEMM: ``compiled`` (CompiledGemm) computing ``outputs`` from ``inputs``."""
+    """One generated GEMM: ``compiled`` (CompiledGemm, or CompiledDirectConv for a direct conv) computing ``outputs`` from ``inputs``."""
 
     compiled: object
     inputs: tuple
     outputs: tuple
     reason: str
+    const_inputs: tuple = ()
 
     @staticmethod
     def build(spec, threads: int | None, cache_dir: str | None = None) -> "GemmStep":
         """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set), through the piecewise
         cache in ``cache_dir``."""
         import os
+        from ..codegen.conv_direct import DirectConvDesc, compile_direct_conv
         from ..codegen.gemm import compile_gemm
-        cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
-        return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason)
+        consts = tuple(getattr(spec, "const_inputs", ()))
+        if isinstance(spec.gemm, DirectConvDesc):
+            cg = compile_direct_conv(spec.gemm, cache_dir=cache_dir)
+        else:
+            d = spec.gemm
+            # a constant A (a conv's weight: a 960x160 weight is 600 KB of copying per call
+            # otherwise) is packed on the first call only (CompiledGemm.packed_a)
+            a_val = d.a_value or (spec.inputs[1] if d.conv is not None else spec.inputs[0])
+            if a_val in consts and d.a_view is None:
+                d = replace(d, a_const=True)
+            cg = compile_gemm(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
+        return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason, consts)
 
     def execute(self, env: dict, pool) -> None:
         d = self.compiled.desc
         # the head's operands by name (inputs are deduplicated: x @ x has one)
-        a_name, b_name = d.a_value or self.inputs[0], d.b_value or self.inputs[1]
+        a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
 
         def arr(v):
             a = env[v]
@@ -50,8 +62,8 @@ class GemmStep:
             raise InputError(f"generated GEMM {d.name}: operands {a_name!r}, {b_name!r} must be float32, "
                              f"got {a.dtype}, {b.dtype}")
         ops = [arr(o.value) for o in d.operands]
-        outs = [np.empty(d.stored_shape, dt) for dt in d.out_dtypes]
+        outs = [np.empty(getattr(d, "stored_shape", d.out_shape), dt) for dt in d.out_dtypes]
         if prod(d.out_shape):
             self.compiled.run(pool, a, b, ops, outs)
-        for v, o in zip(d.stored_as or d.outputs, outs):
+        for v, o in zip(getattr(d, "stored_as", ()) or d.outputs, outs):
             env[v] = o

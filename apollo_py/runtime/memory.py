@@ -105,6 +105,7 @@ class Arena:
             raw = self.block[base + s.offset: base + s.offset + s.nbytes]
             self.views[v] = raw.view(t.np_dtype).reshape(t.shape)
         self._kept: dict[str, np.ndarray] = {}
+        self.driver = None      # runtime/drive.py's DriverTables for this arena, made on first use
 
     def output_buffer(self, value: str, shape, dtype) -> np.ndarray:
         """A C-contiguous array for graph output ``value``: the array this arena handed out
@@ -137,17 +138,15 @@ class ArenaPool:
     """Arenas for concurrent calls: each call borrows one (created on demand) and returns it."""
 
     def __init__(self, plan: MemoryPlan, types: Mapping):
-        import threading
         self._plan, self._types = plan, types
         self._free: list[Arena] = []
-        self._lock = threading.Lock()
 
     def acquire(self) -> Arena:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return Arena(self._plan, self._types)
+        # list.pop and list.append are atomic under the GIL: no lock needed (saves ~0.3 us a call)
+        try:
+            return self._free.pop()
+        except IndexError:
+            return Arena(self._plan, self._types)
 
     def release(self, arena: Arena) -> None:
-        with self._lock:
-            self._free.append(arena)
+        self._free.append(arena)

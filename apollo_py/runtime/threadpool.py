@@ -10,12 +10,14 @@ call has its own job object, and a caller always makes progress on its own job.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 from typing import Optional
 
-from apollo_py.errors import ApolloError, CompileError
+from apollo_py.errors import CompileError
 
 
 class _Job:
@@ -78,6 +80,7 @@ class ThreadPool:
             t = threading.Thread(target=self._worker, name=f"apollo-pool-{i}", daemon=True)
             t.start()
             self._workers.append(t)
+        _LIVE.add(self)
 
     def _worker(self) -> None:
         while True:
@@ -108,8 +111,6 @@ class ThreadPool:
         without a parallel loop) the kernel runs inline on the calling thread.  Returns
         when every chunk has finished; re-raises the first error from any chunk.
         """
-        if self._closed:
-            raise ApolloError("ThreadPool.run called after close()")
         if extent is None:
             extent = kernel.parallel_extent or 0
         extent = int(extent)
@@ -130,8 +131,6 @@ class ThreadPool:
         claim chunks of all of them from one list, so small kernels share the machine instead
         of each paying a wake-up.  Returns when all chunks are done; re-raises the first error.
         """
-        if self._closed:
-            raise ApolloError("ThreadPool.run_many called after close()")
         chunks = []
         per = self.num_threads * self.chunks_per_thread
         for item in items:
@@ -151,25 +150,43 @@ class ThreadPool:
 
     def _dispatch(self, chunks) -> None:
         job = _Job(chunks)
-        for _ in range(min(len(chunks), self.num_threads) - 1):
+        # a closed pool (close(), or interpreter exit under a daemon caller) has no workers:
+        # the caller runs every chunk itself.  A job queued after the workers left is harmless
+        # too: the caller claims all of its chunks.
+        for _ in range(0 if self._closed else min(len(chunks), self.num_threads) - 1):
             self._queue.put(job)
         job.work()
         job.done.wait()
         if job.error is not None:
             raise job.error
 
-    def close(self) -> None:
-        """Stop the workers (idempotent); the pool cannot run jobs afterwards."""
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop the workers (idempotent); later runs execute on the calling thread alone.  Each worker
+        finishes the chunk it is running first; ``timeout`` bounds the wait per worker."""
         if self._closed:
             return
         self._closed = True
         for _ in self._workers:
             self._queue.put(None)
         for t in self._workers:
-            t.join()
+            t.join(timeout)
 
     def __enter__(self) -> "ThreadPool":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: every pool not yet garbage-collected, closed at interpreter exit
+_LIVE: "weakref.WeakSet[ThreadPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools_at_exit() -> None:
+    """Stop every pool's workers when the interpreter exits (after the program's own non-daemon
+    threads have been joined): daemon workers would otherwise be frozen wherever they are while
+    the interpreter tears down the modules they use.  A worker still inside a kernel chunk (a
+    daemon caller thread's job) gets 5 s to finish it."""
+    for pool in list(_LIVE):
+        pool.close(timeout=5.0)

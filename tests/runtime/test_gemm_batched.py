@@ -237,3 +237,27 @@ def test_auto_rule_for_constant_weights(xs, ws, kind, why):
     assert _kinds(f) == [kind] and why in str(f.plan), str(f.plan)
     x = _rand(rng, *xs)
     _check(f(x), x.astype(np.float64) @ w)
+
+
+@pytest.mark.parametrize("xs,ws,group", [((2, 64, 14, 14), (64, 64, 3, 3), 1), ((1, 48, 9, 9), (96, 24, 3, 3), 2),
+                                         ((1, 64, 28, 28), (100, 64, 3, 3), 1)])
+def test_constant_conv_weight_packed_once(xs, ws, group):
+    """A conv's constant weight (A) packed once for all row groups gives the per-tile result."""
+    from dataclasses import replace
+
+    from apollo_py.codegen.gemm import conv_desc
+    attrs = {"group": group, "strides": (1, 1), "pads": (1, 1, 1, 1), "dilations": (1, 1)}
+    out_shape = (xs[0], ws[0], xs[2], xs[3])
+    d = conv_desc("c", xs, ws, out_shape, attrs, "h", outputs=("h",), out_dtypes=("float32",))
+    rng = np.random.default_rng(15)
+    x, w = _rand(rng, *xs), _rand(rng, *ws)
+    got = []
+    with ThreadPool(2) as pool:
+        for a_const in (False, True):
+            cg = compile_gemm(replace(d, a_const=a_const), 2)
+            for _ in range(2):      # the second call reuses the packed weight
+                out = np.empty(out_shape, np.float32)
+                cg.run(pool, w, x, [], [out])
+                got.append(out)
+    for g in got[1:]:
+        np.testing.assert_allclose(g, got[0], rtol=1e-6, atol=1e-5)

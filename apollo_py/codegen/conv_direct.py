@@ -1,0 +1,301 @@
+"""Direct (no GEMM) kernel of a depthwise or narrow grouped 2-D conv, epilogue fused.
+
+A depthwise conv as implicit GEMM is one ``1 x OH*OW x kh*kw`` product per channel: the
+micro-tile (12 or 8 rows) is filled by one row, and packing dominates (MobileNetV3's 3x3 and
+5x5 depthwise convs ran at 1-5 GFLOP/s).  Here each output plane is computed straight from the
+NCHW input, vectorised over output columns:
+
+* parallel over output planes ``t = image * Cout + co``;
+* per output row ``oh``: every tap's weight is loaded once into a scalar, zeroed when the tap's
+  input row ``oh*sh - ph + kh*dh`` lies in the padding (so the row address is clamped and the
+  vector loop has no per-element test);
+* the output columns split in three: the interior ``[lo, hi)`` where every ``kw`` tap reads
+  inside the image (a ``vector`` loop of affine loads -- contiguous at stride 1, strided
+  otherwise), and the left and right borders as scalar loops with clamped, selected loads;
+* the sum over the ``Cin/group x kh x kw`` taps is unrolled into one expression, then the
+  micro-graph's elementwise epilogue (the same scalar lowering as the GEMM's) runs on it and
+  every output value the step must produce is stored.
+
+:data:`MAX_TAPS` bounds the unrolled sum; wider groups stay on the implicit GEMM.
+
+A 1x1 conv of a 1x1 image (the squeeze-excitation convs of MobileNetV3 / EfficientNet /
+RegNetY) is a matrix-vector product; as implicit GEMM its one column filled a 32-column
+micro-tile (1.5-2 GFLOP/s).  :func:`is_matvec` convs get a kernel parallel over output
+channels, each a 16-lane dot product of a contiguous weight row with the input vector.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import numpy as np
+
+from apollo_py.codegen import loopir as L
+from apollo_py.codegen.gemm import ConvGeom, _operand_index
+from apollo_py.errors import CompileError
+
+MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
+SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (else border loops)
+
+
+@dataclass(frozen=True)
+class DirectConvDesc:
+    """One direct conv: ``geom`` (input, kernel, output geometry), ``cout`` output channels,
+    then the epilogue fields of :class:`~apollo_py.codegen.gemm.GemmDesc` (same meaning)."""
+
+    name: str
+    conv: ConvGeom
+    cout: int
+    out_shape: tuple
+    head: str
+    nodes: tuple = ()
+    operands: tuple = ()
+    outputs: tuple = ()
+    out_dtypes: tuple = ()
+    node_dtypes: tuple = ()
+    inline_consts: dict = field(default_factory=dict)
+
+    # the GEMM view's sizes, for flop counts in profiles and plan text
+    @property
+    def batch(self) -> int:
+        return self.conv.n * self.conv.group
+
+    @property
+    def m(self) -> int:
+        return self.cout // self.conv.group
+
+    @property
+    def n(self) -> int:
+        return self.conv.oh * self.conv.ow
+
+    @property
+    def k(self) -> int:
+        return self.conv.c // self.conv.group * self.conv.kh * self.conv.kw
+
+
+def taps(g: ConvGeom) -> int:
+    """Terms of one output element's sum."""
+    return g.c // g.group * g.kh * g.kw
+
+
+def interior(g: ConvGeom) -> tuple[int, int]:
+    """Output columns ``[lo, hi)`` whose every ``kw`` tap reads a column inside the image."""
+    sw, pw, dw = g.strides[1], g.pads[1], g.dilations[1]
+    lo, hi = 0, g.ow
+    for kw in range(g.kw):
+        off = kw * dw - pw
+        lo = max(lo, -(-(-off) // sw))                  # ow*sw + off >= 0
+        hi = min(hi, -(-(g.w - off) // sw))             # ow*sw + off < W
+    lo = min(lo, g.ow)
+    return lo, max(lo, hi)
+
+
+def is_matvec(g: ConvGeom) -> bool:
+    """A 1x1 conv of a 1x1 image (squeeze-excitation blocks): per image a matrix-vector
+    product, one output element per weight row."""
+    return g.h == g.w == g.kh == g.kw == g.oh == g.ow == 1
+
+
+def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr) -> list:
+    """Statements computing the epilogue chain on ``acc`` (the conv's value at output row
+    ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs."""
+    from apollo_py.codegen.scalar_ops import scalar_op
+    f32 = "float32"
+    stmts = [L.Local("v_head", f32, acc)]
+    env: dict = {d.head: L.Var("v_head", f32)}
+    for q, o in enumerate(d.operands):
+        env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, 2, row, col))
+    env.update(d.inline_consts)
+    for q, n in enumerate(d.nodes):
+        e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
+        stmts.append(L.Local(f"v{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+    lin = row * (d.conv.oh * d.conv.ow) + col
+    return stmts + [L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)]
+
+
+def _matvec_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
+    """Parallel over output elements ``t = image * Cout + co``: a 16-lane dot product of weight
+    row ``co`` (contiguous) with the image's group channels (contiguous), then the epilogue."""
+    from apollo_py.codegen.templates import lane_reduce
+    g = d.conv
+    cgi, cgo = g.c // g.group, d.cout // g.group
+    t = L.Var("t")
+    head = [L.Local("img", "int64", t // d.cout), L.Local("co", "int64", t % d.cout)]
+    xb = L.Var("img") * g.c + (L.Var("co") // cgo) * cgi
+    stmts, acc = lane_reduce("acc", "sum", "float32", 0, cgi,
+                             lambda r: L.Load(w, L.Var("co") * cgi + r) * L.Load(x, xb + r))
+    body = L.block(*head, *stmts, *_epilogue(d, acc, ops, outs, t, L.Const(0)))
+    return L.Kernel(d.name, (w, x, *ops, *outs), L.for_("t", 0, g.n * d.cout, body, "parallel"),
+                    "t", g.n * d.cout)
+
+
+def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
+    """The loop-IR kernel of ``d``: params ``(w, x, operands..., outputs...)``."""
+    g = d.conv
+    cgi, cgo = g.c // g.group, d.cout // g.group
+    sh, sw = g.strides
+    ph, pw = g.pads
+    dh, dw = g.dilations
+    hw, ohw = g.h * g.w, g.oh * g.ow
+    w = L.Param("w", "float32", d.cout * cgi * g.kh * g.kw)
+    x = L.Param("x", "float32", g.n * g.c * hw)
+    ops = [L.Param(f"in{q}", o.dtype, max(1, prod(o.shape))) for q, o in enumerate(d.operands)]
+    outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
+    if is_matvec(g):
+        return _matvec_kernel(d, w, x, ops, outs)
+    if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
+        return _padded_kernel(d, w, x, ops, outs)
+    V = L.Var
+    f32 = "float32"
+    zero = L.Const(0.0, f32)
+    t, oh, ow = V("t"), V("oh"), V("ow")
+
+    per_row = [L.Local(f"ih{kh}", "int64", oh * sh - ph + kh * dh) for kh in range(g.kh)]
+    for kh in range(g.kh):
+        ih = V(f"ih{kh}")
+        per_row += [L.Local(f"ok{kh}", "bool", L.land(L.ge(ih, 0), L.lt(ih, g.h))),
+                    L.Local(f"r{kh}", "int64", V("xbase") + L.minimum(L.maximum(ih, 0), g.h - 1) * g.w)]
+    for ci in range(cgi):
+        for kh in range(g.kh):
+            for kw in range(g.kw):
+                widx = V("wbase") + ((ci * g.kh + kh) * g.kw + kw)
+                per_row.append(L.Local(f"w{ci}_{kh}_{kw}", f32,
+                                       L.Select(V(f"ok{kh}", "bool"), L.Load(w, widx), zero)))
+
+    def body(border: bool) -> L.Block:
+        acc = None
+        for ci in range(cgi):
+            for kh in range(g.kh):
+                for kw in range(g.kw):
+                    iw = ow * sw + (kw * dw - pw)
+                    row = V(f"r{kh}") + ci * hw
+                    if border:
+                        v = L.Select(L.land(L.ge(iw, 0), L.lt(iw, g.w)),
+                                     L.Load(x, row + L.minimum(L.maximum(iw, 0), g.w - 1)), zero)
+                    else:
+                        v = L.Load(x, row + iw)
+                    term = v * V(f"w{ci}_{kh}_{kw}", f32)
+                    acc = term if acc is None else acc + term
+        stmts = _epilogue(d, acc, ops, outs, t, oh * g.ow + ow)
+        return L.block(*stmts)
+
+    lo, hi = interior(g)
+    row_loop = L.block(*per_row,
+                       L.for_("ow", 0, lo, body(True), "serial"),
+                       L.for_("ow", lo, hi, body(False), "vector"),
+                       L.for_("ow", hi, g.ow, body(True), "serial"))
+    plane = L.block(
+        L.Local("img", "int64", t // d.cout),
+        L.Local("co", "int64", t % d.cout),
+        L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * hw),
+        L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
+        L.for_("oh", 0, g.oh, row_loop, "serial"))
+    loops = L.for_("t", 0, g.n * d.cout, plane, "parallel")
+    return L.Kernel(d.name, (w, x, *ops, *outs), loops, "t", g.n * d.cout)
+
+
+def _tree_sum(terms: list, chains: int = 4) -> L.Expr:
+    """``sum(terms)`` as ``chains`` interleaved FMA chains added at the end: one chain of 49
+    dependent FMAs (a 7x7 tap sum) is latency-bound at a few iterations per row."""
+    parts: list = [None] * min(chains, len(terms))
+    for q, term in enumerate(terms):
+        c = q % len(parts)
+        parts[c] = term if parts[c] is None else parts[c] + term
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def padded_plane(g: ConvGeom) -> tuple[int, int]:
+    """Rows and columns of the zero-padded input plane the taps read: ``(OH-1)*sh + (kh-1)*dh + 1``
+    by the same for columns."""
+    return ((g.oh - 1) * g.strides[0] + (g.kh - 1) * g.dilations[0] + 1,
+            (g.ow - 1) * g.strides[1] + (g.kw - 1) * g.dilations[1] + 1)
+
+
+def _padded_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
+    """Per output plane: copy the group's input planes into a zero-padded scratch (zero runs and
+    one contiguous copy per row), then every output row is one vector loop of affine scratch
+    loads -- no border cases, no per-element tests; the tap weights are scalars hoisted out of
+    the plane."""
+    g = d.conv
+    cgi, cgo = g.c // g.group, d.cout // g.group
+    sh, sw = g.strides
+    ph, pw = g.pads
+    dh, dw = g.dilations
+    prow, pcol = padded_plane(g)
+    V = L.Var
+    f32 = "float32"
+    zero = L.Const(0.0, f32)
+    t, oh, ow = V("t"), V("oh"), V("ow")
+    pad = L.Alloc("xpad", f32, cgi * prow * pcol)
+    lz, mid_hi = min(pw, pcol), min(pw + g.w, pcol)
+    ihc = L.minimum(L.maximum(V("ih"), 0), g.h - 1)
+    dst = (V("ci") * prow + V("r")) * pcol
+    copy = L.for_("ci", 0, cgi, L.for_("r", 0, prow, L.block(
+        L.Local("ih", "int64", V("r") - ph),
+        L.Local("rowok", "bool", L.land(L.ge(V("ih"), 0), L.lt(V("ih"), g.h))),
+        L.Local("src", "int64", V("xbase") + (V("ci") * g.h + ihc) * g.w - pw),
+        L.for_("c", 0, lz, L.Store(pad, dst + V("c"), zero), "vector"),
+        L.for_("c", lz, mid_hi, L.Store(pad, dst + V("c"),
+                                        L.Select(V("rowok", "bool"), L.Load(x, V("src") + V("c")), zero)), "vector"),
+        L.for_("c", mid_hi, pcol, L.Store(pad, dst + V("c"), zero), "vector"))))
+    weights = [L.Local(f"w{ci}_{kh}_{kw}", f32, L.Load(w, V("wbase") + ((ci * g.kh + kh) * g.kw + kw)))
+               for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)]
+    acc = _tree_sum([L.Load(pad, (ci * prow + oh * sh + kh * dh) * pcol + ow * sw + kw * dw)
+                     * V(f"w{ci}_{kh}_{kw}", f32)
+                     for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+    rows = L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*_epilogue(d, acc, ops, outs, t, oh * g.ow + ow)),
+                                        "vector"))
+    plane = L.block(
+        L.Local("img", "int64", t // d.cout),
+        L.Local("co", "int64", t % d.cout),
+        L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * (g.h * g.w)),
+        L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
+        copy, *weights, rows)
+    loops = L.block(pad, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
+    return L.Kernel(d.name, (w, x, *ops, *outs), loops, "t", g.n * d.cout)
+
+
+class CompiledDirectConv:
+    """Machine code of a direct conv; ``run(pool, w, x, operands, outputs)`` like
+    :class:`~apollo_py.codegen.gemm.CompiledGemm` (weight first, then the input)."""
+
+    def __init__(self, desc: DirectConvDesc, compiled):
+        self.desc = desc
+        self.kernel = compiled
+        self.ir = getattr(compiled, "ir", "")
+
+    def run(self, pool, w: np.ndarray, x: np.ndarray, operands, outputs) -> None:
+        pool.run(self.kernel, [w, x, *operands, *outputs])
+
+
+def compile_direct_conv(d: DirectConvDesc, cache_dir: str | None = None) -> CompiledDirectConv:
+    """Generate, optimise and JIT ``d`` through the piecewise cache (``cache_dir`` None = this
+    process only).  Raises CompileError for sizes it cannot run or an epilogue op without a
+    scalar lowering."""
+    from .cached import compile_cached, piece_cache
+    g = d.conv
+    if min(g.n, g.c, g.h, g.w, g.oh, g.ow, d.cout) <= 0 or (taps(g) > MAX_TAPS and not is_matvec(g)):
+        raise CompileError(f"{d.name}: direct conv needs positive sizes and at most {MAX_TAPS} taps, got "
+                           f"{g} with {d.cout} outputs")
+    k = direct_conv_kernel(d)
+    return CompiledDirectConv(d, compile_cached(k, piece_cache(cache_dir)))
+
+
+def render_direct_conv(d: DirectConvDesc) -> str:
+    """Unoptimised LLVM IR of ``d``."""
+    from .llvm import host, render_llvm
+    return render_llvm(direct_conv_kernel(d), host().cpu_attrs)
+
+
+def direct_conv_desc(name: str, x_shape: tuple, w_shape: tuple, out_shape: tuple, attrs, head: str,
+                     **epi) -> DirectConvDesc:
+    """The direct kernel of a 2-D NCHW conv (any group; callers use it for narrow groups)."""
+    n, c, h, w = x_shape
+    cout, _, kh, kw = w_shape
+    st, pd, dl = tuple(attrs["strides"]), tuple(attrs["pads"]), tuple(attrs["dilations"])
+    geom = ConvGeom(n, c, h, w, int(attrs["group"]), kh, kw, out_shape[2], out_shape[3], st,
+                    (pd[0], pd[1]), dl)
+    return DirectConvDesc(name, geom, cout, tuple(out_shape), head, **epi)

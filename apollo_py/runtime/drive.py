@@ -1,0 +1,223 @@
+"""Segments: runs of a CPU executable's schedule that the native driver runs in one call.
+
+:func:`build_program` turns the executable's dispatch schedule into a list of entries: a
+:class:`Segment` (consecutive kernels that run on the calling thread, and cblas calls, as one
+program for ``codegen/driver.py``'s ``apollo_drive``) or an entry of the schedule that needs
+Python (a thread-pool dispatch, a generated GEMM, a numpy step).  Reshapes between kernels are
+views and do not split a segment.  A plan of tiny kernels is then one native call per model
+call instead of one ctypes call (and argument packing) per kernel.
+
+Buffers are named by an index into a per-arena value table: arena slots and constants are
+written once when the arena is made; graph inputs, fresh outputs and numpy steps' results
+("dynamic" values) are given per call as ``(index, id(array))`` pairs that the driver
+dereferences (or as pointers, where :func:`~apollo_py.codegen.driver.data_offset` is None).
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+
+
+@dataclass
+class Segment:
+    """One native call: ``prog`` (int64 words, see codegen/driver.py) of ``nsteps`` program
+    steps (a BLAS update is two: the accumulator's copy and the gemm).
+
+    ``fresh``: graph outputs the segment writes (bound to arrays before the call);
+    ``views``: reshape steps ``(output, input, shape)`` run as numpy views before the call;
+    ``dynamic``: ``(value, index, dtype, elements)`` of the per-call buffers it touches;
+    ``steps``: the runtime steps it runs, in order; ``first``: its first schedule index.
+    """
+
+    prog: object
+    nsteps: int
+    maxargs: int
+    fresh: tuple
+    views: tuple
+    dynamic: tuple
+    steps: tuple
+    first: int
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.prog)
+
+
+class DriverTables:
+    """Per-arena state of the driver: the value table and one ``objs`` array per segment."""
+
+    def __init__(self, program: "Program", arena, constants: dict):
+        self.env = dict(constants)      # a call's values start from these: constants, arena views
+        self.env.update(arena.views)
+        self.values = (ctypes.c_void_p * max(1, len(program.index)))()
+        for v, i in program.index.items():
+            a = arena.views.get(v)
+            if a is None:
+                a = program.constants.get(v)
+            if a is not None:
+                self.values[i] = a.ctypes.data
+        self.values_address = ctypes.addressof(self.values)
+        self.objs = []
+        for seg in program.segments:
+            arr = (ctypes.c_int64 * max(1, 2 * len(seg.dynamic)))()
+            for k, (_, i, _, _) in enumerate(seg.dynamic):
+                arr[2 * k] = i
+            self.objs.append((arr, ctypes.addressof(arr)))
+
+
+@dataclass
+class Program:
+    """What :func:`build_program` returns: ``entries`` (``("drive", k)`` for ``segments[k]`` or
+    a schedule entry ``(kind, item)``), the value ``index`` and the constants it reads."""
+
+    entries: list
+    segments: list
+    index: dict
+    constants: dict
+
+
+def _blas_words(step, index, root, types) -> list | None:
+    """Program words of a BLAS step the driver can run (no empty dimension, an accumulator of
+    the output's shape, a known cblas flavour), else None."""
+    from ..codegen import driver as D
+    d = step.desc
+    if not (d.m and d.n and d.k) or d.dtype not in ("float32", "float64"):
+        return None
+    copy = []
+    if d.acc is not None:       # C = P first (a memmove: P may be C itself, an in-place update)
+        p, c = types[d.acc], types[d.out]
+        if p.shape != c.shape or p.dtype != c.dtype:
+            return None         # np.copyto would broadcast: left to Python
+        copy = [D.COPY, index(d.out), index(root.get(d.acc, d.acc)), int(c.nbytes)]
+    fn = step._lib._fns[d.dtype]
+    itype = fn.argtypes[3]
+    if itype is ctypes.c_int64:
+        kind = D.SGEMM64 if d.dtype == "float32" else D.DGEMM64
+    elif itype is ctypes.c_int and ctypes.sizeof(ctypes.c_int) == 4:
+        kind = D.SGEMM32 if d.dtype == "float32" else D.DGEMM32
+    else:
+        return None
+    bits = lambda x: struct.unpack("<q", struct.pack("<d", float(x)))[0]    # noqa: E731
+    lda = d.m if d.trans_a else d.k
+    ldb = d.k if d.trans_b else d.n
+    return copy + [kind, ctypes.cast(fn, ctypes.c_void_p).value, int(d.trans_a), int(d.trans_b), d.m, d.n,
+                   d.k, bits(d.alpha), bits(1.0 if copy else 0.0), index(root.get(d.a, d.a)), lda,
+                   index(root.get(d.b, d.b)), ldb, index(d.out), d.n]
+
+
+def build_program(exe, inline) -> Program:
+    """Split ``exe``'s schedule (a CpuExecutable) into driver segments and Python entries;
+    ``inline(step)`` says whether a schedule entry's single step is a kernel that runs on the
+    calling thread."""
+    from .blas import BlasStep
+    root = exe._root
+    slots = exe.memory.slots
+    graph = exe.graph
+    index: dict = {}
+
+    def idx(v):
+        i = index.get(v)
+        if i is None:
+            i = index[v] = len(index)
+        return i
+
+    entries: list = []
+    segments: list = []
+    cur: dict = {}
+
+    def flush():
+        if cur.get("steps"):
+            words = cur["words"]
+            dyn = []
+            for v in cur["touched"]:
+                if v in slots or v in exe.constants:
+                    continue
+                t = graph.types[v]
+                dyn.append((v, index[v], np.dtype(t.np_dtype), int(np.prod(t.shape, dtype=np.int64))))
+            prog = (ctypes.c_int64 * len(words))(*words)
+            segments.append(Segment(prog, len(cur["steps"]) + cur["extra"], max(1, cur["maxargs"]),
+                                    tuple(cur["fresh"]), tuple(cur["views"]), tuple(dyn),
+                                    tuple(cur["steps"]), cur["first"]))
+            entries.append(("drive", len(segments) - 1))
+        elif cur.get("views"):      # reshapes with no kernel after them: run as usual
+            entries.extend(cur["pending"])
+        cur.clear()
+
+    def start(k):
+        if not cur:
+            cur.update(words=[], steps=[], fresh=[], views=[], touched={}, maxargs=1, first=k, pending=[],
+                       extra=0)
+
+    for k, (kind, item) in enumerate(exe._schedule):
+        if kind == "kernels" and len(item) == 1 and inline(item[0]):
+            s = item[0]
+            start(k)
+            vals = [root.get(v, v) for v in s.param_values]
+            cur["words"] += [0, s.compiled.address, 0, s.compiled.parallel_extent or 0, len(vals),
+                             *(idx(v) for v in vals)]
+            cur["maxargs"] = max(cur["maxargs"], len(vals))
+        elif kind == "step" and isinstance(item, BlasStep) and item._lib is not None \
+                and (words := _blas_words(item, idx, root, graph.types)) is not None:
+            s = item
+            start(k)
+            d = s.desc
+            vals = [root.get(v, v) for v in (d.a, d.b, d.out) + ((d.acc,) if d.acc is not None else ())]
+            cur["words"] += words
+            cur["extra"] += 1 if d.acc is not None else 0
+        elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
+            start(k)       # a reshape: a view made before the segment runs
+            cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))
+            cur["pending"].append((kind, item))
+            continue
+        else:
+            flush()
+            entries.append((kind, item))
+            continue
+        cur["steps"].append(s)
+        cur["pending"].append((kind, item))
+        cur["fresh"] += [v for v in s.outputs if v in exe._fresh]
+        for v in vals:
+            cur["touched"][v] = None
+    flush()
+    return Program(entries, segments, index, {v: exe.constants[v] for v in index if v in exe.constants})
+
+
+def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out, arena, offset) -> None:
+    """Bind ``seg``'s outputs and views in ``env``, then run it with one native call."""
+    fresh = exe._fresh
+    for v in seg.fresh:
+        if v in out:
+            env[v] = out[v]
+        else:
+            env[v] = arena.output_buffer(v, *fresh[v])
+    for o, i, shape in seg.views:
+        env[o] = env[i].reshape(shape)
+    objs, objs_address = tables.objs[k]
+    values = tables.values
+    for j, (v, i, dt, n) in enumerate(seg.dynamic):
+        a = env[v]
+        if type(a) is not np.ndarray or a.dtype != dt or not a.flags.c_contiguous or a.size < n:
+            a = _checked(a, v, dt, n)
+            env[v] = a
+        if offset is None:
+            values[i] = a.ctypes.data
+        else:
+            objs[2 * j + 1] = id(a)
+    exe._driver_fn(seg.address, seg.nsteps, tables.values_address, seg.maxargs, objs_address,
+                   len(seg.dynamic) if offset is not None else 0, offset or 0)
+
+
+def _checked(a, v: str, dt, n: int) -> np.ndarray:
+    """``a`` as a C-contiguous base-class ndarray of dtype ``dt`` with at least ``n`` elements
+    (a numpy scalar or a subclass is converted), or InputError naming buffer ``v``."""
+    if isinstance(a, (np.ndarray, np.generic)) and a.dtype == dt:
+        a = np.ascontiguousarray(a).view(np.ndarray)
+        if a.size >= n:
+            return a
+    raise InputError(f"buffer {v!r} needs a C-contiguous {dt} array of {n} elements, got "
+                     f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}")
