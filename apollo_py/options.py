@@ -71,8 +71,9 @@ class Options:
     (apollo_py/machine.py): None (measured on this machine once and kept in
     ``<cache_dir>/machine.json``), a preset name (``"slow"``, ``"fast"``, ``"dev-2core"``,
     ``"conservative"``) or a ``Machine`` with explicit figures.  ``apollo-py machine`` shows them.
-    ``gemm``: float32 matmul kernels: "auto" (BLAS, measured faster at every shape: see
-    layers/gemm_lowering.py), "generated" (the generated GEMM, epilogue fused) or "blas".
+    ``gemm``: float32 matmul kernels: "auto" (the generated GEMM for a constant or batched
+    right operand, BLAS for the rest and for thin products: see layers/gemm_lowering.py),
+    "generated" (the generated GEMM, epilogue fused) or "blas".
     2-d float32 convs always run as the generated implicit GEMM.
     ``max_memory``: bytes one compiled model may need: every tensor the model declares, its
     constants, and the memory plan (arena and outputs) are checked at compile time, before

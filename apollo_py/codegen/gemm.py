@@ -5,10 +5,15 @@ One :class:`GemmDesc` describes ``C[b] = A[b] @ B[b]`` for ``b`` in a flattened 
 where A and B come from (a matmul's operands, or a conv's weights and implicit im2col of its
 input) and the epilogue.  :func:`compile_gemm` turns it into machine code through llvmlite:
 
-* ``pack_a`` (loop IR): every A batch into panels of ``MR`` rows, ``[panel][k][MR]``, zero
-  padded; run on the thread pool before the main kernel;
+* ``pack_a`` (loop IR): the tile's row group of one A batch into panels of ``MR`` rows,
+  ``[panel][k][MR]``, zero padded, in the tile's own scratch (called by the main kernel, so
+  a GEMM is one parallel launch);
 * ``pack_b`` (loop IR): one column block of B (``NC`` columns, all of K) into panels of
-  ``NR`` columns, ``[panel][k][NR]``; for a conv this is the im2col gather (implicit GEMM);
+  ``NR`` columns, ``[panel][k][NR]``; for a conv this is the im2col gather (implicit GEMM).
+  A constant B (``b_const``: a weight) is packed once, on the first call, into every block
+  (:meth:`CompiledGemm.packed_b`) and the main kernel reads the blocks in place;
+* operands may be read through an :class:`OperandView` (a transpose of another buffer,
+  e.g. attention's ``K^T``), so the exporters' Transpose nodes cost no copy;
 * ``epi`` (loop IR): reads one ``MR x NR`` accumulator tile, computes the epilogue chain
   (layer-1 scalar ops, broadcast operands indexed from the output coordinates) and stores
   every output value the step must produce; without an epilogue it is the bounded store;
@@ -16,7 +21,7 @@ input) and the epilogue.  :func:`compile_gemm` turns it into machine code throug
   row group)``; per tile it packs B into a 64-byte-aligned scratch, then for every MR-row
   panel and NR-column panel runs the micro-kernel -- ``MR x NR/VL`` vector accumulators in
   registers, one broadcast of A and ``NR/VL`` vector loads of B per k, ``llvm.fma`` -- and
-  hands the tile to ``epi``.
+  hands the tile to ``epi``.  Products below ``SMALL_FLOPS`` run on the calling thread.
 
 The blocking for the Rocket Lake dev box (AVX-512, one 512-bit FMA port per core, 48 KiB L1,
 2 MiB L2): ``VL=16, MR=12, NR=32`` (24 accumulators + 2 B vectors + 1 broadcast of 32 zmm
@@ -33,11 +38,13 @@ import numpy as np
 
 from apollo_py.codegen import loopir as L
 from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
 
 B_BLOCK_BYTES = 512 * 1024
 KC_MAX = 256          # k per block: an NR-column B micro-panel (KC x NR floats, 32 KiB) stays in L1
 MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in L2
+SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
 
 
 @dataclass(frozen=True)
@@ -137,23 +144,43 @@ class GemmDesc:
     node_dtypes: tuple = ()     # output dtype of each epilogue node
     conv: Optional[ConvGeom] = None
     inline_consts: dict = field(default_factory=dict)
+    a_view: Optional[OperandView] = None   # A read in place (transposed source); None: contiguous
+    b_view: Optional[OperandView] = None
+    a_value: str = ""       # the values the step reads as A and B ("" : the head's inputs)
+    b_value: str = ""
+    b_const: bool = False   # B is a constant: packed once (CompiledGemm.packed_b), not per tile
+    a_const: bool = False   # A is a constant (a conv's weight): packed once (CompiledGemm.packed_a)
+    out_perm: Optional[tuple] = None   # outputs stored as transpose(C, out_perm) (a folded Transpose)
+    stored_as: tuple = ()   # the values the stored outputs are bound to ("": ``outputs``)
+
+    @property
+    def stored_shape(self) -> tuple:
+        """The shape of each output buffer: ``out_shape``, permuted by ``out_perm``."""
+        if self.out_perm is None:
+            return self.out_shape
+        return tuple(self.out_shape[p] for p in self.out_perm)
 
 
 # ------------------------------------------------------------------ loop-IR parts
 
 
-def _pack_a_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
-    npan = -(-d.m // bl.mr)
-    apk = L.Param("apk", "float32", d.a_batches * npan * d.k * bl.mr)
-    a = L.Param("a", "float32", d.a_batches * d.m * d.k)
-    t, k, r = L.Var("t"), L.Var("k"), L.Var("r")
-    ab, p = t // npan, t % npan
-    i = p * bl.mr + r
-    src = L.Load(a, ab * (d.m * d.k) + L.minimum(i, d.m - 1) * d.k + k)
-    body = L.Store(apk, (t * d.k + k) * bl.mr + r, L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32")))
-    loops = L.for_("t", 0, d.a_batches * npan,
-                   L.for_("r", 0, bl.mr, L.for_("k", 0, d.k, body, "vector"), "serial"), "parallel")
-    return L.Kernel(f"{d.name}_pack_a", (apk, a), loops, "t", d.a_batches * npan)
+def _pack_a_kernel(d: GemmDesc, bl: Blocking, ppg: int) -> L.Kernel:
+    """Packs the ``MR``-row panels ``[p0, p0 + hi)`` of A batch ``ab`` (``info = [ab, p0]``)
+    into ``ascr[p - p0][k][MR]``, zero padded: the main kernel calls it per tile, so every
+    tile packs only its own rows, into its own scratch, just before using them."""
+    ascr = L.Param("ascr", "float32", ppg * d.k * bl.mr)
+    a = L.Param("a", "float32", d.a_view.size if d.a_view is not None else d.a_batches * d.m * d.k)
+    info = L.Param("info", "int64", 2)
+    p, k, r = L.Var("p"), L.Var("k"), L.Var("r")
+    ab, p0 = L.Load(info, L.Const(0)), L.Load(info, L.Const(1))
+    i = (p0 + p) * bl.mr + r
+    if d.a_view is not None:    # rows of all A batches, flattened, are the view's leading dims
+        src = L.Load(a, view_address(d.a_view, ab * d.m + L.minimum(i, d.m - 1), k))
+    else:
+        src = L.Load(a, ab * (d.m * d.k) + L.minimum(i, d.m - 1) * d.k + k)
+    body = L.Store(ascr, (p * d.k + k) * bl.mr + r, L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32")))
+    loops = L.for_("p", 0, ppg, L.for_("r", 0, bl.mr, L.for_("k", 0, d.k, body, "vector"), "serial"), "parallel")
+    return L.Kernel(f"{d.name}_pack_a", (ascr, a, info), loops, "p", ppg)
 
 
 def b_source_size(d: GemmDesc) -> int:
@@ -161,6 +188,8 @@ def b_source_size(d: GemmDesc) -> int:
     if d.conv is not None:
         g = d.conv
         return g.n * g.c * g.h * g.w
+    if d.b_view is not None:
+        return d.b_view.size
     return (max(d.b_index) + 1) * d.k * d.n
 
 
@@ -175,7 +204,10 @@ def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
     k = k0 + kk
     j = j0 + jp * bl.nr + jj
     zero = L.Const(0.0, "float32")
-    if d.conv is None:
+    if d.conv is None and d.b_view is not None:    # B's batches and rows: the view's leading dims
+        val = L.Select(L.lt(j, d.n), L.Load(src, view_address(d.b_view, b * d.k + k, L.minimum(j, d.n - 1))),
+                       zero)
+    elif d.conv is None:
         val = L.Select(L.lt(j, d.n), L.Load(src, b * (d.k * d.n) + k * d.n + L.minimum(j, d.n - 1)), zero)
     else:
         ih_ok, iw_ok, addr = im2col_source(d.conv, b, k, j)
@@ -317,7 +349,8 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
     row = L.Load(info, L.Const(0)) * d.m + L.Load(info, L.Const(1)) + ii
     col = L.Load(info, L.Const(2)) + jj
     ncols = prod(d.out_shape[d.row_dims:])
-    lin = row * ncols + col
+    lin = (row * ncols + col if d.out_perm is None
+           else permuted_index(d.out_shape, d.out_perm, d.row_dims, row, col))
     stmts = [L.Local("v_head", "float32", L.Load(tile, ii * bl.nr + jj))]
     env: dict = {d.head: L.Var("v_head", "float32")}
     for q, o in enumerate(d.operands):
@@ -416,18 +449,39 @@ def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg)
 
 
-def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) -> str:
+def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
+    """IR lines pointing ``%bblk`` at block ``(B batch, column block, k block)`` of the B
+    packed once (:meth:`CompiledGemm.packed_b` lays the blocks out in that order)."""
+    return [f"  %bs0 = mul i64 %bv, {lay.njc}", "  %bs1 = add i64 %bs0, %jc", f"  %bs2 = mul i64 %bs1, {nkc}",
+            "  %bs3 = add i64 %bs2, %pc", f"  %bso = mul i64 %bs3, {lay.nc * kcb}",
+            "  %bblk = getelementptr float, ptr %bsrc, i64 %bso"]
+
+
+def packed_b_size(d: GemmDesc, lay: GemmLayout) -> int:
+    """Floats of a B packed once: every (B batch, column block, k block) block at full size."""
+    nkc, kcb = k_blocks(d.k)
+    return (max(d.b_index) + 1) * lay.njc * nkc * lay.nc * kcb
+
+
+def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epi: str) -> str:
     n_extra = len(d.operands) + len(d.outputs)
     nkc, kcb = k_blocks(d.k)
-    a_tab = [ai * lay.npan_a * d.k * bl.mr for ai in d.a_index]
+    a_tab = list(d.a_index)
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
     tile = bl.mr * bl.nr
     npb = lay.nc // bl.nr
     bbytes = -(-(lay.nc * kcb * 4) // 64) * 64
     cbytes = lay.pan_per_group * npb * tile * 4
+    abytes = lay.pan_per_group * d.k * bl.mr * 4
     per_t = lay.njc * lay.mg
     s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
-         "  %apk = load ptr, ptr %args",
+         "  %asrc = load ptr, ptr %args",
+         f"  %ascr = call ptr @aligned_alloc(i64 64, i64 {abytes})",
+         "  %ainfo = alloca [2 x i64], align 8", "  %aargs = alloca [3 x ptr], align 8",
+         "  store ptr %ascr, ptr %aargs",
+         "  %aa1 = getelementptr ptr, ptr %aargs, i64 1", "  store ptr %asrc, ptr %aa1",
+         "  %aa2 = getelementptr ptr, ptr %aargs, i64 2", "  store ptr %ainfo, ptr %aa2",
+         "  %ai1 = getelementptr i64, ptr %ainfo, i64 1",
          "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %bsrc = load ptr, ptr %g1",
          f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {bbytes})",
          f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
@@ -458,9 +512,15 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
           f"  %btp = getelementptr [{len(b_tab)} x i64], ptr @gemm.btab, i64 0, i64 %b",
           "  %bv = load i64, ptr %btp",
           f"  %atp = getelementptr [{len(a_tab)} x i64], ptr @gemm.atab, i64 0, i64 %b",
-          "  %abase = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
+          "  %abv = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
           f"  %ip0 = mul i64 %ig, {lay.pan_per_group}", f"  %ipe = add i64 %ip0, {lay.pan_per_group}",
           f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
+          *([f"  %apo0 = mul i64 %abv, {lay.npan_a}", "  %apo1 = add i64 %apo0, %ip0",
+             f"  %apo = mul i64 %apo1, {d.k * bl.mr}", "  %ablk = getelementptr float, ptr %asrc, i64 %apo"]
+            if d.a_const else
+            ["  store i64 %abv, ptr %ainfo", "  store i64 %ip0, ptr %ai1", "  %npa = sub i64 %ip1, %ip0",
+             f"  call void @{pack_a}(ptr %aargs, i64 0, i64 %npa) #2",   # not inlined: compile time
+             "  %ablk = getelementptr float, ptr %ascr, i64 0"]),
           "  br label %pcond",
           "pcond:", "  %pc = phi i64 [0, %tbody], [%pcn, %inext_p]",
           f"  %pcc = icmp slt i64 %pc, {nkc}", "  br i1 %pcc, label %pbody, label %tnext",
@@ -468,9 +528,11 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
           f"  %k0 = mul i64 %pc, {kcb}", f"  %kleft = sub i64 {d.k}, %k0",
           f"  %kc = call i64 @llvm.smin.i64(i64 %kleft, i64 {kcb})",
           "  %first = icmp eq i64 %pc, 0", f"  %last = icmp eq i64 %pc, {nkc - 1}",
-          "  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
-          "  store i64 %k0, ptr %pi2", "  store i64 %kc, ptr %pi3",
-          f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
+          *(_packed_block_ir(lay, nkc, kcb) if d.b_const else
+            ["  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
+             "  store i64 %k0, ptr %pi2", "  store i64 %kc, ptr %pi3",
+             f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
+             "  %bblk = getelementptr float, ptr %bscr, i64 0"]),
           f"  %ak0 = mul i64 %k0, {bl.mr}",
           f"  %bstride = mul i64 %kc, {bl.nr}",
           "  br label %icond",
@@ -479,15 +541,15 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
           "ibody:",
           f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
           f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})",
-          f"  %aoff0 = mul i64 %ip, {d.k * bl.mr}", "  %aoff1 = add i64 %abase, %aoff0",
-          "  %aoff = add i64 %aoff1, %ak0",
-          "  %ap = getelementptr float, ptr %apk, i64 %aoff", "  store i64 %i0, ptr %ei1",
-          "  %ipl = sub i64 %ip, %ip0", f"  %crow = mul i64 %ipl, {npb * tile}",
+          "  %ipl = sub i64 %ip, %ip0",
+          f"  %aoff0 = mul i64 %ipl, {d.k * bl.mr}", "  %aoff = add i64 %aoff0, %ak0",
+          "  %ap = getelementptr float, ptr %ablk, i64 %aoff", "  store i64 %i0, ptr %ei1",
+          f"  %crow = mul i64 %ipl, {npb * tile}",
           "  br label %jcond",
           "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
           "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
           "jbody:",
-          "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bscr, i64 %boff",
+          "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bblk, i64 %boff",
           f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
           "  %cp = getelementptr float, ptr %cscr, i64 %coff",
           "  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)",
@@ -502,7 +564,7 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
           "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
           "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
           "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
-          "done:", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
+          "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
     head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {kcb}, NC {lay.nc}",
             _table("gemm.atab", a_tab), _table("gemm.btab", b_tab),
@@ -510,46 +572,107 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_b: str, epi: str) 
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
-            f"declare void @{pack_b}(ptr, i64, i64)", f"declare void @{epi}(ptr, i64, i64)"]
+            f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
+            f"declare void @{epi}(ptr, i64, i64)"]
     return "\n".join(head) + "\n" + _micro_ir(bl) + "\n" + "\n".join(s)
 
 
 # ------------------------------------------------------------------ compile
 
 
+def _aligned_zeros(size: int, align: int = 64) -> np.ndarray:
+    """float32 zeros whose data starts on an ``align``-byte boundary."""
+    raw = np.zeros(size + align // 4, np.float32)
+    skip = (-raw.ctypes.data % align) // 4
+    return raw[skip:skip + size]
+
+
 class CompiledGemm:
-    """Machine code of one GEMM: ``pack_a`` and ``main`` follow the pool's kernel ABI.
+    """Machine code of one GEMM: ``main`` follows the pool's kernel ABI (it packs A and B
+    itself, per tile; ``pack_b`` is kept for packing a constant B once).
 
     ``run(pool, a, bsrc, operands, outputs)`` packs A into a fresh buffer and runs the main
     kernel over its tiles; ``ir`` is the optimised module text.
     """
 
     def __init__(self, desc: GemmDesc, bl: Blocking, lay: GemmLayout, engine, ir: str,
-                 pack_a: L.Kernel, main_params: tuple):
+                 main_params: tuple, pack_b: Optional[L.Kernel] = None, pack_a: Optional[L.Kernel] = None):
         self.desc, self.blocking, self.layout = desc, bl, lay
         self.engine = engine   # owns the machine code
         self.ir = ir
-        self.pack_a = CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
         main = L.Kernel(desc.name, main_params, L.Block(), "t", lay.tiles)
         self.main = CompiledKernelBase(main, engine.get_function_address(desc.name))
-        self.apk_size = pack_a.params[0].size
+        self.pack_b = (CompiledKernelBase(pack_b, engine.get_function_address(pack_b.name))
+                       if pack_b is not None else None)
+        self.pack_a = (CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
+                       if pack_a is not None else None)
+        self._packed_a: tuple = (None, None)
+        # one thread below this many flops: a pool wake-up costs more than the second core gives
+        self.inline = 2 * desc.batch * desc.m * desc.n * desc.k < SMALL_FLOPS
+        self._packed: tuple = (None, None)
+
+    def packed_b(self, bsrc: np.ndarray) -> np.ndarray:
+        """``bsrc`` (a constant B) packed once into every (B batch, column block, k block)
+        block the main kernel reads; kept for the next call with the same array."""
+        src, packed = self._packed
+        if src is bsrc:
+            return packed
+        d, lay = self.desc, self.layout
+        nkc, kcb = k_blocks(d.k)
+        blk = lay.nc * kcb
+        packed = _aligned_zeros(packed_b_size(d, lay))  # the micro-kernel's B loads are aligned
+        info = np.zeros(4, np.int64)
+        slot = 0
+        for b in range(max(d.b_index) + 1):
+            for jc in range(lay.njc):
+                for pc in range(nkc):
+                    info[:] = (b, jc * lay.nc, pc * kcb, min(kcb, d.k - pc * kcb))
+                    self.pack_b([packed[slot * blk:(slot + 1) * blk], bsrc, info])
+                    slot += 1
+        self._packed = (bsrc, packed)
+        return packed
+
+    def packed_a(self, a: np.ndarray) -> np.ndarray:
+        """``a`` (a constant A) packed once into ``[A batch][panel][k][MR]``; kept for the next
+        call with the same array."""
+        src, packed = self._packed_a
+        if src is a:
+            return packed
+        d, lay, bl = self.desc, self.layout, self.blocking
+        pan = d.k * bl.mr
+        ppg = lay.pan_per_group     # the kernel packs at most one row group per call
+        # (a row group's worth of slack at the end: the kernel's buffer is a full group)
+        packed = _aligned_zeros((d.a_batches * lay.npan_a + ppg) * pan)
+        for ab in range(d.a_batches):
+            for p0 in range(0, lay.npan_a, ppg):
+                at = (ab * lay.npan_a + p0) * pan
+                self.pack_a([packed[at:at + ppg * pan], a, np.array([ab, p0], np.int64)], 0,
+                            min(ppg, lay.npan_a - p0))
+        self._packed_a = (a, packed)
+        return packed
 
     def run(self, pool, a: np.ndarray, bsrc: np.ndarray, operands, outputs) -> None:
-        apk = np.empty(self.apk_size, np.float32)
-        pool.run(self.pack_a, [apk, a])
-        pool.run(self.main, [apk, bsrc, *operands, *outputs])
+        if self.desc.a_const:
+            a = self.packed_a(a)
+        if self.desc.b_const:
+            bsrc = self.packed_b(bsrc)
+        if self.inline or pool is None:
+            self.main([a, bsrc, *operands, *outputs])
+        else:
+            pool.run(self.main, [a, bsrc, *operands, *outputs])
 
 
 def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
     from apollo_py.codegen.llvm import LLVMPrinter, host
     h = host()
-    pack_a = _pack_a_kernel(d, bl)
+    pack_a = _pack_a_kernel(d, bl, lay.pan_per_group)
     pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)
     epi = _epilogue_kernel(d, bl)
     texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pack_a, pack_b, epi)]
-    main = _main_ir(d, bl, lay, pack_b.name, epi.name)
+    main = _main_ir(d, bl, lay, pack_a.name, pack_b.name, epi.name)
     main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
              f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
+             "attributes #2 = { noinline }\n"
              "!0 = distinct !{!0, !1}\n!1 = !{!\"llvm.loop.unroll.count\", i32 4}\n")
     return main, texts, (pack_a, pack_b, epi)
 
@@ -573,9 +696,10 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
     if d.m <= 0 or d.n <= 0 or d.k <= 0 or d.batch <= 0:
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
+    named, d = d, canonical(d)
     bl = bl or blocking_for(d.m)
     lay = layout(d, bl, threads)
-    pack_a = _pack_a_kernel(d, bl)
+    pack_a = _pack_a_kernel(d, bl, lay.pan_per_group)
     pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)
     epi = _epilogue_kernel(d, bl)
 
@@ -593,8 +717,35 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
     # keyed by what the text is rendered from (descriptor, blocking, layout; the host and this
     # module's source are in the key too), so a cache hit renders nothing
     engine, ir = compile_module(repr((d, bl, lay)), build, cache_dir, d.name)
-    main_params = (pack_a.params[0], pack_b.params[1], *epi.params[2:])
-    return CompiledGemm(d, bl, lay, engine, ir, pack_a, main_params)
+    bparam = L.Param("bpk_all", "float32", packed_b_size(d, lay)) if d.b_const else pack_b.params[1]
+    aparam = L.Param("apk_all", "float32", d.a_batches * lay.npan_a * d.k * bl.mr) if d.a_const else pack_a.params[1]
+    main_params = (aparam, bparam, *epi.params[2:])
+    cg = CompiledGemm(d, bl, lay, engine, ir, main_params, pack_b if d.b_const else None,
+                      pack_a if d.a_const else None)
+    cg.desc = named     # the step reads and binds values by the graph's names
+    return cg
+
+
+def canonical(d: GemmDesc) -> GemmDesc:
+    """``d`` with its values renamed ``v0, v1, ...`` in order of use and named by a digest of
+    that structure: the same product and epilogue in every layer of a model is one piece
+    (one LLVM compile, one engine), whatever the graph calls its values."""
+    import hashlib
+    from dataclasses import replace
+    names: dict = {}
+
+    def nm(v: str) -> str:
+        return names.setdefault(v, f"v{len(names)}") if v else v
+    nm(d.head)
+    nm(d.a_value)
+    nm(d.b_value)
+    nodes = tuple(n.replace(inputs=tuple(nm(v) for v in n.inputs), outputs=tuple(nm(v) for v in n.outputs),
+                            name="", source=()) for n in d.nodes)
+    c = replace(d, name="g", head=nm(d.head), a_value=nm(d.a_value), b_value=nm(d.b_value), nodes=nodes,
+                operands=tuple(replace(o, value=nm(o.value)) for o in d.operands),
+                outputs=tuple(nm(v) for v in d.outputs), stored_as=tuple(nm(v) for v in d.stored_as),
+                inline_consts={nm(k): v for k, v in d.inline_consts.items()})
+    return replace(c, name="gemm_" + hashlib.sha1(repr(c).encode()).hexdigest()[:12])
 
 
 def matmul_desc(name: str, xs: tuple, ys: tuple, out_shape: tuple, head: str, **epi) -> GemmDesc:

@@ -168,7 +168,10 @@ def _bias_of(spec, add, result: str, graph: Graph):
 
 def fold_blas(specs: list, graph: Graph, blas_available: bool) -> list:
     """``specs`` with numpy matmuls turned into folded BLAS steps (see the module docs);
-    ``specs`` unchanged when ``blas_available`` is false."""
+    ``specs`` unchanged when ``blas_available`` is false.  First, transposes feeding only a
+    generated matmul GEMM are folded into it (gemm_lowering.fold_operand_transposes)."""
+    from .gemm_lowering import fold_operand_transposes
+    specs = fold_operand_transposes(specs, graph)
     if not blas_available:
         return list(specs)
     from .steps import StepSpec

@@ -5,21 +5,30 @@ micro-graph, and returns either a StepSpec running the generated GEMM with the l
 fusable prefix of those nodes as its per-tile epilogue, or None with the reason BLAS (numpy)
 runs the head instead.  The rest of the nodes go to layer 1 as before.
 
-The dispatch rule for float32 matmul (``Options.gemm == "auto"``) comes from measurements on
-the 2-core AVX-512 dev box (generated / numpy sgemm time ratio, median of 7-9 interleaved
-samples).  Single thread: 64^3 0.23, 128^3 0.62, 256^3 0.76, 512^3 ~0.9, 1024^3 ~1.0, batched
-[8,128,64]@[8,64,128] 0.90.  Two threads on an idle machine (OpenBLAS at 220-300 GFLOP/s):
-256^3 0.32, 512^3 0.48-0.65, [2048,768]@[768,768] 0.45-0.62, 1024^3 0.85-0.93, and the BERT
-feed-forward products [1024,768]@[768,3072] and [1024,3072]@[3072,768] about 0.35 (40-48 ms
-against 15-17 ms).  Thin shapes lose badly ([1024,1024]@[1024,1] 0.06-0.12): the micro-tile is
-12 x 32.  BLAS was faster at every shape measured with the default two threads, so "auto"
-runs every matmul through BLAS, with its epilogue as a separate layer-1 kernel, and says so in
-the plan; ``Options(gemm="generated")`` forces the generated GEMM (epilogue fused per tile),
-``benchmarks/bench_gemm.py`` measures both.
+The dispatch rule for float32 matmul (``Options.gemm == "auto"``, :func:`auto_blas_reason`):
+
+* a batched right operand (``[B, H, S, d] @ [B, H, d, S]``) runs on the generated GEMM: one
+  kernel over batch x tiles, where BLAS would need a numpy loop of calls;
+* a thin product (``N < THIN_N``) runs through BLAS: the micro-tile is 32 columns wide, and
+  the generated GEMM measured 0.06-0.12x of sgemm at ``[1024,1024]@[1024,1]``;
+* a constant right operand (a weight) with at least ``SMALL_MNK`` multiply-adds runs on the
+  generated GEMM with B packed once (smaller ones stay on BLAS: one thread there, no compile): on the
+  zoo's linear layers (benchmarks/gemm_shapes.py, shared 2-core box) it measured within
+  0.7-1.35x of onnxruntime's time, while OpenBLAS's two threads, which spin and yield on a
+  loaded machine, took 3-30x onnxruntime's;
+* any other matmul (a right operand computed at run time: training, ``x @ xᵀ``) runs through
+  BLAS, where blas_fold.py folds transposes, bias rows and SGD updates into one sgemm.  The
+  generated GEMM would pack B on every call; on an idle machine it measured 0.85-0.93x of
+  sgemm's speed at 1024^3 and 0.35x on the BERT feed-forward products at two threads
+  (``benchmarks/bench_gemm.py``).
+
+:func:`fold_operand_transposes` (run by ``fold_blas``) then lets a generated matmul GEMM read a
+transpose that only it reads in place.
 A conv always runs as implicit GEMM (the only alternative is the float64 im2col oracle).
 """
 from __future__ import annotations
 
+from math import prod
 
 from ..errors import UnsupportedOpError
 from ..ir.graph import Graph, Node
@@ -49,7 +58,7 @@ def _fusable(n: Node, types, shape: tuple, known: set) -> bool:
     return True
 
 
-def _reason_blas(head: Node, types, options: Options) -> str:
+def _reason_blas(head: Node, types, options: Options, consts=frozenset()) -> str:
     """Why ``head`` runs through numpy ("" if the generated GEMM may run it)."""
     out = types[head.outputs[0]]
     if options.target in ("cuda", "cuda-emu"):    # codegen/cuda_gemm.py: float32 / float16 storage
@@ -70,8 +79,50 @@ def _reason_blas(head: Node, types, options: Options) -> str:
         return "Options.gemm='blas'"
     if options.gemm == "generated":
         return ""
-    return ("BLAS measured faster than the generated GEMM on every matmul shape at two threads "
-            "(1024^3: generated 0.85-0.93x of sgemm; BERT FFN 0.35x); Options(gemm='generated') forces it")
+    return auto_blas_reason(tuple(types[head.inputs[0]].shape), tuple(types[head.inputs[1]].shape),
+                            head.inputs[1] in consts)
+
+
+def _batched_b(ys: tuple) -> bool:
+    return len(ys) > 2 and prod(ys[:-2]) > 1
+
+
+#: right operands narrower than this run through BLAS: the micro-tile is 32 (AVX-512) or 16
+#: columns wide, so a thinner product wastes most of every vector FMA
+THIN_N = 16
+#: constant-weight products with fewer multiply-adds stay on BLAS: OpenBLAS's own threshold for
+#: using one thread (65536 * GEMM_MULTITHREAD_THRESHOLD), and below it a generated GEMM's
+#: compile (~0.5 s) buys microseconds
+SMALL_MNK = 1 << 18
+
+
+def auto_blas_reason(xs: tuple, ys: tuple, b_const: bool) -> str:
+    """``Options.gemm == "auto"`` for a float32 ``xs @ ys``: why BLAS runs it, or "" when the
+    generated GEMM does (see the module docs for the measurements behind the rule)."""
+    if _batched_b(ys):
+        return ""
+    n = ys[-1] if len(ys) > 1 else 1
+    if n < THIN_N:
+        return (f"thin product (N = {n} < {THIN_N}: BLAS measured faster, [1024,1024]@[1024,1] generated "
+                "0.06-0.12x of sgemm); Options(gemm='generated') forces it")
+    mnk = prod(xs[:-1]) * (ys[-2] if len(ys) > 1 else ys[0]) * n
+    if b_const and mnk < SMALL_MNK:
+        return (f"small product ({mnk} multiply-adds < {SMALL_MNK}: OpenBLAS runs it on one thread, and a "
+                "generated GEMM would cost a compile for microseconds); Options(gemm='generated') forces it")
+    if not b_const:
+        return ("right operand not a constant, so the generated GEMM would pack it on every call: BLAS measured "
+                "faster then (one sgemm with transposes and updates folded; 1024^3 generated 0.85-0.93x); "
+                "Options(gemm='generated') forces it")
+    return ""
+
+
+def auto_choice(desc) -> str:
+    """Why ``Options.gemm == "auto"`` picked the generated GEMM for ``desc``."""
+    if desc.batch > 1:
+        return (f"auto: batched right operand ({desc.batch} products; one kernel over batch x tiles, where "
+                "BLAS would need a numpy loop)")
+    return ("auto: constant right operand, packed once; measured at or below onnxruntime's time on the zoo's "
+            "linear layers while OpenBLAS's threads lose 3-30x on the shared 2-core box")
 
 
 def _direct_conv(head: Node, types, options: Options) -> str:
@@ -103,12 +154,12 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
     from ..codegen.gemm import EpiOperand, conv_desc, matmul_desc
     from .steps import StepSpec
     types = graph.types
-    why = _reason_blas(head, types, options)
+    consts = {n.outputs[0]: n for n in graph.nodes if n.op == "constant"}
+    why = _reason_blas(head, types, options, consts)
     if why:
         return None, list(epilogue), why
     shape = tuple(types[head.outputs[0]].shape)
     known = {head.outputs[0]}
-    consts = {n.outputs[0]: n for n in graph.nodes if n.op == "constant"}
     fused = []
     for n in epilogue:
         if not _fusable(n, types, shape, known):
@@ -143,11 +194,109 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
         desc = conv_desc(name, types[x].shape, types[w].shape, shape, head.attrs, head.outputs[0], **epi)
         what = "implicit-GEMM conv (generated)"
     else:
-        desc = matmul_desc(name, types[x].shape, types[w].shape, shape, head.outputs[0], **epi)
-        what = "generated GEMM (Options.gemm='generated')"
+        desc = matmul_desc(name, types[x].shape, types[w].shape, shape, head.outputs[0], a_value=x, b_value=w,
+                           b_const=w in consts, **epi)
+        what = ("generated GEMM (Options.gemm='generated')" if options.gemm == "generated"
+                else f"generated GEMM ({auto_choice(desc)})")
     fused_ops = "+".join(n.op for n in fused) or "none"
     reason = f"{what}; batch {desc.batch}, {desc.m}x{desc.n}x{desc.k}; epilogue {fused_ops}"
     ins = tuple(dict.fromkeys([*head.inputs, *(o.value for o in operands)]))
     spec = StepSpec(ins, outs, nodes=(head, *fused), reason=reason, micro_graphs=tuple(group), gemm=desc,
                     const_inputs=tuple(v for v in head.inputs if v in consts))
     return spec, rest, ""
+
+
+def _lone_transpose(spec):
+    """The transpose node of a step that is one transpose (a numpy step or a copy kernel)."""
+    if spec.gemm is not None or spec.blas is not None:
+        return None
+    nodes = [n for n in (spec.fused.nodes if spec.fused is not None else spec.nodes) if n.op != "constant"]
+    if len(nodes) != 1 or nodes[0].op != "transpose" or len(spec.outputs) != 1:
+        return None
+    return nodes[0]
+
+
+def fold_operand_transposes(specs: list, graph: Graph) -> list:
+    """``specs`` (lowering order) with every transpose that feeds only a generated matmul GEMM
+    folded into it: the GEMM's pack kernels read the transpose's input in place through an
+    :class:`~apollo_py.codegen.gemm.OperandView` (strided reads while packing, which the
+    packing pays anyway), and the transpose step -- a numpy copy or a copy kernel -- is gone.
+    The exporters write attention's ``K^T`` and ``V`` this way (``Transpose`` with perm
+    ``(0, 2, 3, 1)`` / ``(0, 2, 1, 3)`` of ``[B, S, H, d]``).  Conv GEMMs, epilogue operands
+    and values read elsewhere (or graph outputs) are left alone."""
+    from dataclasses import replace
+
+    from ..codegen.gemm import OperandView
+    specs = list(specs)
+    alive = [True] * len(specs)
+    producer = {v: i for i, s in enumerate(specs) for v in s.outputs}
+    readers: dict = {}
+    for i, s in enumerate(specs):
+        for v in s.inputs:
+            readers.setdefault(v, set()).add(i)
+    for i, spec in enumerate(specs):
+        d = spec.gemm
+        if d is None or d.conv is not None or not d.a_value or d.a_value == d.b_value:
+            continue
+        epi_reads = {o.value for o in d.operands}
+        extra, gone = [], []
+        for side in ("a", "b"):
+            v = getattr(d, side + "_value")
+            j = producer.get(v)
+            if (j is None or not alive[j] or readers.get(v) != {i} or v in graph.outputs or v in epi_reads
+                    or getattr(d, side + "_view") is not None):
+                continue
+            t = _lone_transpose(specs[j])
+            if t is None or len(graph.types[v].shape) < 2:
+                continue
+            src = t.inputs[0]
+            view = OperandView.transposed(tuple(graph.types[src].shape), tuple(int(p) for p in t.attrs["perm"]))
+            d = replace(d, **{side + "_value": src, side + "_view": view})
+            if side == "b":
+                d = replace(d, b_const=any(n.op == "constant" and n.outputs[0] == src for n in graph.nodes))
+            extra.append(t)
+            gone.append(j)
+            alive[j] = False
+        out = _fold_output_transpose(i, d, specs, alive, producer, readers, graph)
+        if out is not None:
+            d, t, j = out
+            extra.append(t)
+            gone.append(j)
+        if not extra:
+            continue
+        ins = tuple(dict.fromkeys([d.a_value, d.b_value, *(v for v in spec.inputs if v not in
+                                                           (spec.gemm.a_value, spec.gemm.b_value))]))
+        mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in gone))))
+        reads = [t for t in extra if t.outputs[0] not in d.stored_as]
+        why = spec.reason
+        if reads:
+            why += "; reads " + ", ".join(f"transpose{tuple(t.attrs['perm'])} of {t.inputs[0]}"
+                                          for t in reads) + " in place"
+        if d.out_perm is not None:
+            why += f"; stores its result transposed {tuple(d.out_perm)}"
+        specs[i] = replace(spec, inputs=ins, outputs=d.stored_as or spec.outputs, nodes=(*spec.nodes, *extra), gemm=d,
+                           reason=why, micro_graphs=mgs)
+        for v in ins:
+            readers.setdefault(v, set()).add(i)
+    return [s for s, ok in zip(specs, alive) if ok]
+
+
+def _fold_output_transpose(i: int, d, specs: list, alive: list, producer: dict, readers: dict, graph: Graph):
+    """``(desc, transpose node, its step)`` when the one value GEMM step ``i`` stores is read only by a
+    lone transpose step (attention's context ``[B, H, S, d] -> [B, S, H, d]``): the epilogue
+    then stores straight into the transposed layout and that step goes.  None otherwise."""
+    from dataclasses import replace
+    if d.out_perm is not None or len(d.outputs) != 1 or tuple(specs[i].outputs) != d.outputs:
+        return None
+    v = d.outputs[0]
+    rs = readers.get(v, set())
+    if v in graph.outputs or len(rs) != 1:
+        return None
+    j = next(iter(rs))
+    t = _lone_transpose(specs[j]) if alive[j] and j > i else None
+    if t is None or t.inputs[0] != v:
+        return None
+    alive[j] = False
+    out = t.outputs[0]
+    producer[out] = i
+    return replace(d, stored_as=(out,), out_perm=tuple(int(p) for p in t.attrs["perm"])), t, j

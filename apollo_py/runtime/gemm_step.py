@@ -6,9 +6,8 @@ writes every output value into a fresh array and binds it in ``env``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from math import prod
-from typing import Optional
 
 import numpy as np
 
@@ -24,9 +23,6 @@ class GemmStep:
     outputs: tuple
     reason: str
     const_inputs: tuple = ()
-    # (weight array, its packed panels): a conv's constant weight is packed on the first call
-    # only (a 960x160 weight is 600 KB of copying per call otherwise)
-    _packed: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def build(spec, threads: int | None, cache_dir: str | None = None) -> "GemmStep":
@@ -35,16 +31,23 @@ class GemmStep:
         import os
         from ..codegen.conv_direct import DirectConvDesc, compile_direct_conv
         from ..codegen.gemm import compile_gemm
+        consts = tuple(getattr(spec, "const_inputs", ()))
         if isinstance(spec.gemm, DirectConvDesc):
             cg = compile_direct_conv(spec.gemm, cache_dir=cache_dir)
         else:
-            cg = compile_gemm(spec.gemm, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
-        return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason,
-                        tuple(getattr(spec, "const_inputs", ())))
+            d = spec.gemm
+            # a constant A (a conv's weight: a 960x160 weight is 600 KB of copying per call
+            # otherwise) is packed on the first call only (CompiledGemm.packed_a)
+            a_val = d.a_value or (spec.inputs[1] if d.conv is not None else spec.inputs[0])
+            if a_val in consts and d.a_view is None:
+                d = replace(d, a_const=True)
+            cg = compile_gemm(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
+        return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason, consts)
 
     def execute(self, env: dict, pool) -> None:
         d = self.compiled.desc
-        a_name, b_name = self.inputs[0], self.inputs[1]
+        # the head's operands by name (inputs are deduplicated: x @ x has one)
+        a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
 
         def arr(v):
             a = env[v]
@@ -59,18 +62,8 @@ class GemmStep:
             raise InputError(f"generated GEMM {d.name}: operands {a_name!r}, {b_name!r} must be float32, "
                              f"got {a.dtype}, {b.dtype}")
         ops = [arr(o.value) for o in d.operands]
-        outs = [np.empty(d.out_shape, dt) for dt in d.out_dtypes]
-        cg = self.compiled
-        if not prod(d.out_shape):
-            pass
-        elif a_name in self.const_inputs and hasattr(cg, "pack_a"):
-            p = self._packed
-            if p is None or p[0] is not a:
-                apk = np.empty(cg.apk_size, np.float32)
-                pool.run(cg.pack_a, [apk, a])
-                p = self._packed = (a, apk)
-            pool.run(cg.main, [p[1], b, *ops, *outs])
-        else:
-            cg.run(pool, a, b, ops, outs)
-        for v, o in zip(d.outputs, outs):
+        outs = [np.empty(getattr(d, "stored_shape", d.out_shape), dt) for dt in d.out_dtypes]
+        if prod(d.out_shape):
+            self.compiled.run(pool, a, b, ops, outs)
+        for v, o in zip(getattr(d, "stored_as", ()) or d.outputs, outs):
             env[v] = o
