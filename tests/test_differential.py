@@ -95,3 +95,16 @@ def test_mutation_check_rejects_an_error_that_names_nothing():
     assert not unnamed(f"{node.op_type} has a bad attribute", model, "flip_attribute")
     assert unnamed("invalid ONNX model: truncated", model, "drop_input")
     assert not unnamed("invalid ONNX model: truncated", model, "truncate")
+
+
+def test_runtime_errors_name_the_onnx_node():
+    """Found by the zoo-export mutations (dlrm_small TorchScript export, an input dropped, seed
+    10000234): an index out of range at run time named only the primitive ('gather_52'), which
+    appears nowhere in the user's model; now the ONNX node it came from too."""
+    import apollo_py as ap
+    from onnx_mutations import mutate
+    what, model, feeds = mutate(10000234)
+    assert "drop_input" in what
+    with pytest.raises(ap.ShapeError, match=r"node 'gather_\d+' \(gather, from ONNX node '/Gather_6'\): "
+                                            r"gather index out of range"):
+        ap.jit(model).run(**feeds)

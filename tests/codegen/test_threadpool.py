@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from apollo_py.codegen.llvm import compile_llvm
-from apollo_py.errors import ApolloError
 from apollo_py.runtime.threadpool import ThreadPool
 
 import codegen_kernels as K
@@ -73,12 +72,22 @@ def test_concurrent_callers(softmax, rng):
         np.testing.assert_array_equal(out, ref)
 
 
-def test_run_after_close_raises(softmax):
-    pool = ThreadPool(2)
+def test_run_after_close_runs_on_the_caller(softmax, rng):
+    """A closed pool (close(), or the interpreter-exit hook under a daemon caller) has no
+    workers; a run still computes the whole extent, on the calling thread (issue #16 item 7)."""
+    x = (rng.standard_normal(301 * 128) * 4).astype(np.float32)
+    ref = np.empty_like(x)
+    softmax([x, ref])
+    pool = ThreadPool(3)
     pool.close()
     pool.close()
-    with pytest.raises(ApolloError, match="after close"):
-        pool.run(softmax, [np.zeros(301 * 128, np.float32)] * 2)
+    assert not any(t.is_alive() for t in pool._workers)
+    out = np.empty_like(x)
+    pool.run(softmax, [x, out])
+    np.testing.assert_array_equal(out, ref)
+    out2 = np.empty_like(x)
+    pool.run_many([(softmax, [x, out2])])
+    np.testing.assert_array_equal(out2, ref)
 
 
 def test_split_all_reduce_is_parallel_and_reproducible(rng):
