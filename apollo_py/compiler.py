@@ -66,9 +66,15 @@ def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, pr
     fused = [s.fused for s in specs if s.fused is not None]
     progress.stage("LLVM codegen", len(fused))
     compiled = iter(compile_kernels(fused, options.cache_dir, progress))
-    progress.stage("GEMM codegen", sum(1 for s in specs if s.gemm is not None))
+    gemms = [s for s in specs if s.gemm is not None]
+    progress.stage("GEMM codegen", len(gemms))
+    # every other GEMM compiled by a forked child into the disk cache meanwhile (two cores)
+    from .codegen.cached import share_with_child
+    built = share_with_child(gemms, lambda s: GemmStep.build(s, options.num_threads, options.cache_dir),
+                             options.cache_dir)
+    built = {id(gemms[i]): step for i, step in built.items()}
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
-             else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
+             else built.get(id(s)) or GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
              else BlasStep(s.blas, s.reason) if s.blas is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     progress.done()
