@@ -51,13 +51,16 @@ def compile_graph(graph: Graph, options: Options):
     return build_cpu_executable(graph, micro_graphs, tuple(specs), options, progress)
 
 
-def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, progress, machine=None):
+def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, progress, machine=None,
+                         fork: bool = True):
     """The CPU executable of lowered step ``specs`` (layer 1-3 results after BLAS folding): object
     code from the piecewise cache (LLVM only for pieces it lacks), GEMM steps, the plan.
 
     Shared by :func:`compile_graph` and the model cache's warm path (``frontend/model_cache.py``),
     which stores ``graph``, ``micro_graphs`` and ``specs`` and skips every pass before this one.
     ``machine``: the figures the steps were planned with (default: ``options``' figures).
+    ``fork``: let a forked child compile every other GEMM (False when they are expected to be
+    piece-cache hits, as on the model cache's warm path: a child would only load them twice).
     """
     from .runtime.blas import BlasStep
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
@@ -71,7 +74,7 @@ def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, pr
     # every other GEMM compiled by a forked child into the disk cache meanwhile (two cores)
     from .codegen.cached import share_with_child
     built = share_with_child(gemms, lambda s: GemmStep.build(s, options.num_threads, options.cache_dir),
-                             options.cache_dir)
+                             options.cache_dir if fork else None)
     built = {id(gemms[i]): step for i, step in built.items()}
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
              else built.get(id(s)) or GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
