@@ -89,6 +89,13 @@ class PieceCache:
             self._remember(key, entry)
         return entry
 
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is in memory or on disk (not read, not verified, not counted)."""
+        with self._lock:
+            if key in self._mem:
+                return True
+        return bool(self.directory) and all(os.path.exists(p) for p in self._paths(key))
+
     def put(self, key: str, payload: bytes, meta: dict) -> None:
         meta = dict(meta, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload))
         with self._lock:

@@ -67,13 +67,16 @@ def _compile_graph(graph: Graph, options: Options):
     return build_cpu_executable(graph, micro_graphs, tuple(specs), options, progress)
 
 
-def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, progress, machine=None):
+def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, progress, machine=None,
+                         fork: bool = True):
     """The CPU executable of lowered step ``specs`` (layer 1-3 results after BLAS folding): object
     code from the piecewise cache (LLVM only for pieces it lacks), GEMM steps, the plan.
 
     Shared by :func:`compile_graph` and the model cache's warm path (``frontend/model_cache.py``),
     which stores ``graph``, ``micro_graphs`` and ``specs`` and skips every pass before this one.
     ``machine``: the figures the steps were planned with (default: ``options``' figures).
+    ``fork``: let a forked child compile every other GEMM (False when they are expected to be
+    piece-cache hits, as on the model cache's warm path: a child would only load them twice).
     """
     from .runtime.blas import BlasStep
     from .runtime.cpu import CpuExecutable, KernelStep, ReferenceStep, compile_kernels
@@ -82,9 +85,15 @@ def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, pr
     fused = [s.fused for s in specs if s.fused is not None]
     _stage(progress, "LLVM codegen", len(fused))
     compiled = iter(compile_kernels(fused, options.cache_dir, progress))
-    _stage(progress, "GEMM codegen", sum(1 for s in specs if s.gemm is not None))
+    gemms = [s for s in specs if s.gemm is not None]
+    _stage(progress, "GEMM codegen", len(gemms))
+    # every other GEMM compiled by a forked child into the disk cache meanwhile (two cores)
+    from .codegen.cached import share_with_child
+    built = share_with_child(gemms, lambda s: GemmStep.build(s, options.num_threads, options.cache_dir),
+                             options.cache_dir if fork else None)
+    built = {id(gemms[i]): step for i, step in built.items()}
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
-             else GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
+             else built.get(id(s)) or GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
              else BlasStep(s.blas, s.reason) if s.blas is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     from .deadline import check

@@ -154,19 +154,179 @@ def compile_module(text: str, build, cache_dir: str | None, name: str):
     return engine, ir
 
 
+#: fewer object-code misses than this compile in-process (a fork costs a few ms plus the
+#: child's copy-on-write faults; one kernel's O3 + codegen costs 20-300 ms)
+PARALLEL_MIN = 4
+
+
 def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=None,
                 keys: Sequence[str] | None = None) -> list:
     """Compile ``kernels`` through the cache in ``cache_dir``; one CompiledKernel each, in order.
 
     ``keys``: their cache keys where known ("" where not); ``progress`` (a
-    :class:`apollo_py.progress.Progress` or None) counts kernels done.
+    :class:`apollo_py.progress.Progress` or None) counts kernels done.  Kernels missing from the
+    process and from the cache (at least :data:`PARALLEL_MIN` of them, on a POSIX machine with
+    more than one core) are optimised and emitted by a forked child and this process at once:
+    llvmlite serialises every LLVM call of a process under one lock, so threads cannot share
+    the work (:func:`_emit_in_parallel`).
     """
     from ..deadline import check as check_deadline
     cache = piece_cache(cache_dir)
+    keys = list(keys or [""] * len(kernels))
+    emitted: dict[str, tuple[bytes, str]] = {}
+    if len(kernels) >= PARALLEL_MIN and hasattr(os, "fork") and _cores() > 1:
+        misses, seen = [], set()
+        for i, k in enumerate(kernels):
+            text = None
+            if not keys[i]:
+                keys[i], text = kernel_key(k)
+                remember_text(keys[i], text)
+            with _LOCK:
+                loaded = keys[i] in _LOADED
+            if keys[i] in seen or loaded or cache.has(keys[i]):
+                continue
+            seen.add(keys[i])
+            misses.append((keys[i], k))
+        if len(misses) >= PARALLEL_MIN:
+            emitted = _emit_in_parallel(misses)
     out = []
-    for k, key in zip(kernels, keys or [""] * len(kernels)):
+    for k, key in zip(kernels, keys):
         check_deadline("LLVM codegen", f"kernel {k.name!r}")
+        got = emitted.pop(key, None)
+        if got is not None:     # emitted by the parallel step: store and load it
+            from .llvm import load_object
+            cache.put(key, got[0], {"kernel": k.name})
+            ck = load_object(k, got[0])
+            ck.ir = got[1]
+            with _LOCK:
+                _LOADED[key] = ck
+                _TEXTS.pop(key, None)
         out.append(compile_cached(k, cache, key))
         if progress is not None:
             progress.step()
+    return out
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _emit(key: str, k: L.Kernel) -> tuple[bytes, str]:
+    """(object code, optimised IR) of kernel ``k`` whose piece key is ``key``."""
+    from .llvm import _compile_lock, host, optimize_ir
+    with _LOCK:
+        text = _TEXTS.get(key)
+    if text is None:
+        text = kernel_key(k)[1]
+    h = host()
+    with _compile_lock:
+        mod = optimize_ir(text)
+        mod.triple = h.triple
+        return h.target_machine().emit_object(mod), str(mod)
+
+
+def _emit_in_parallel(misses: list, timeout_s: float = 600.0) -> dict[str, tuple[bytes, str]]:
+    """key -> (object, IR) for ``misses`` ([(key, kernel)]): a forked child emits every other
+    one into a temporary directory while this process emits the rest.  Whatever the child did
+    not deliver (it failed, or did not end within ``timeout_s`` of this process finishing its
+    share) is left out: the caller compiles those in-process as before."""
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    host_ = None
+    try:
+        from .llvm import host
+        host_ = host()      # initialised before the fork: the child inherits the target
+    except Exception:       # noqa: BLE001 - no LLVM: the caller's path raises the real error
+        return {}
+    del host_
+    tmp = tempfile.mkdtemp(prefix="apollo-llvm-")
+    theirs, mine = misses[1::2], misses[0::2]
+    pid = os.fork()
+    if pid == 0:                                    # the child: its share into files, then exit
+        try:
+            for i, (key, k) in enumerate(theirs):
+                obj, ir = _emit(key, k)
+                part = os.path.join(tmp, f"{i}")
+                with open(part + ".tmp", "wb") as f:
+                    f.write(len(obj).to_bytes(8, "little") + obj + ir.encode())
+                os.replace(part + ".tmp", part)
+        finally:
+            os._exit(0)
+    out: dict[str, tuple[bytes, str]] = {}
+    started = time.monotonic()
+    try:
+        for key, k in mine:
+            try:
+                out[key] = _emit(key, k)
+            except Exception:   # noqa: BLE001 - compiled again in-process, where it raises
+                pass
+        # the child has as much to do: waiting much longer means it is stuck (an LLVM lock
+        # another thread held at the fork) and this process compiles its share instead
+        deadline = time.monotonic() + min(timeout_s, 2 * (time.monotonic() - started) + 5)
+        while True:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for i, (key, _) in enumerate(theirs):
+            try:
+                with open(os.path.join(tmp, f"{i}"), "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            n = int.from_bytes(data[:8], "little")
+            out[key] = (data[8:8 + n], data[8 + n:].decode())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def share_with_child(items: Sequence, fn, cache_dir: str | None) -> dict:
+    """``{index: fn(item)}`` for the items this process computed, after a forked child has run
+    ``fn`` on every other item so that their pieces are in the disk cache ``cache_dir`` when
+    the caller computes them (then a hit).  ``fn`` compiles through the piecewise cache (e.g.
+    a generated GEMM): llvmlite runs one LLVM call at a time per process, so a second process
+    is the only way to use a second core.  In-process only (an empty dict, the caller computes
+    everything) without a cache dir, fork or a second core, or for fewer than
+    :data:`PARALLEL_MIN` items.  A child that fails or does not finish in time only costs
+    the caller those compiles."""
+    import signal
+    import time
+    if not cache_dir or len(items) < PARALLEL_MIN or not hasattr(os, "fork") or _cores() < 2:
+        return {}
+    try:
+        from .llvm import host
+        host()              # initialised before the fork: the child inherits the target
+    except Exception:       # noqa: BLE001 - the caller's path raises the real error
+        return {}
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for item in items[1::2]:
+                fn(item)
+        finally:
+            os._exit(0)
+    out, started = {}, time.monotonic()
+    try:
+        for i in range(0, len(items), 2):
+            out[i] = fn(items[i])
+    finally:
+        deadline = time.monotonic() + 2 * (time.monotonic() - started) + 5
+        while True:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     return out

@@ -416,7 +416,7 @@ def load_executable(program, shapes: Mapping[str, tuple], options):
     progress.timings.append(("model cache", time.perf_counter() - t0))
     # the figures the steps were planned with: figures that were not stored (a busy machine)
     # would otherwise be measured again by every process (seconds)
-    return build_cpu_executable(graph, micro_graphs, specs, options, progress, machine)
+    return build_cpu_executable(graph, micro_graphs, specs, options, progress, machine, fork=False)
 
 
 def save_executable(program, shapes: Mapping[str, tuple], options, exe) -> bool:
