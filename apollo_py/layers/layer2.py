@@ -64,8 +64,9 @@ def _sizes(m, types) -> set:
     return {types[v].size for n in m.nodes for v in n.outputs}
 
 
-def _joins(c, rs, types, row_bytes: int) -> bool:
-    """Whether micro-graph ``c`` (a consumer in program order) may join the group of row space ``rs``."""
+def _joins(c, rs, types, row_bytes: int, produced=frozenset()) -> bool:
+    """Whether micro-graph ``c`` (a consumer in program order) may join the group of row space
+    ``rs``; ``produced``: the values the group computes so far."""
     P, full, form = rs
     R = prod(full) // max(P, 1)
     sizes = _sizes(c, types)
@@ -77,7 +78,10 @@ def _joins(c, rs, types, row_bytes: int) -> bool:
                 or crs[2].kept != form.kept:
             return False
     if sizes == {P} and P != P * R:
-        return True                   # a tail on the row space: always worth it
+        # a tail on the row space: always worth it after an x-reduce; after a y- or
+        # all-reduce only when it reads nothing else but scalars (an optimizer update of a
+        # bias reading its own state stays apart, so the runtime may run it in place)
+        return form.kind == X or all(v in produced or types[v].size <= 1 for v in c.inputs)
     if row_bytes > STITCH_SCRATCH_BYTES:
         return False
     return form.kind == X
@@ -109,7 +113,7 @@ def stitch_groups(micro_graphs: Sequence, types: Mapping[str, TensorType]) -> li
                 c = micro_graphs[j]
                 if c.kind not in KERNEL_KINDS or not produced.intersection(c.inputs):
                     break
-                if not _joins(c, rs, types, row_bytes):
+                if not _joins(c, rs, types, row_bytes, produced):
                     break
                 group.append(j)
                 produced.update(c.outputs)
@@ -143,9 +147,11 @@ def absorb_index_maps(groups: list[list[int]], micro_graphs: Sequence,
 
     * into the one group that reads its result (a kernel group, later in order; nothing else
       reads the result), at that group's position;
-    * else into the kernel group that produces its input (nothing else reads the input, and
-      no matmul / conv reads the result: BLAS folding takes 2-d transposes as ``trans``
-      flags), at the producer's position.
+    * else into the kernel group that produces its input (nothing else reads the input), at
+      the producer's position.
+
+    A transpose whose input comes from, or whose result goes to, a matmul / conv stays as it
+    is: BLAS folding takes it as a ``trans`` flag or an operand swap (layers/blas_fold.py).
     """
     where, readers = {}, {}
     for gi, g in enumerate(groups):
@@ -162,15 +168,16 @@ def absorb_index_maps(groups: list[list[int]], micro_graphs: Sequence,
         node = micro_graphs[g[0]].nodes[0]
         v, src = node.outputs[0], node.inputs[0]
         rs = readers.get(v, set())
+        pi = where.get(src)
+        if node.op == "transpose" and any(n.op in ("matmul", "conv") for gi2 in (rs | {pi} - {None})
+                                          for k in groups[gi2] for n in micro_graphs[k].nodes):
+            continue        # next to a matmul: BLAS folding takes it as a trans flag / swap
         if len(rs) == 1 and v not in outs:
             (ci,) = rs
             if ci > gi and _kernel_group(groups[ci], micro_graphs):
                 target[gi] = (ci, "before")
                 continue
-        pi = where.get(src)
         if pi is None or pi in target or src in outs or readers.get(src, set()) != {gi}:
-            continue
-        if any(n.op in ("matmul", "conv") for ri in rs for k in groups[ri] for n in micro_graphs[k].nodes):
             continue
         if _kernel_group(groups[pi], micro_graphs):
             target[gi] = (pi, "after")
