@@ -96,8 +96,8 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
         if text is None:
             with _LOCK:
                 text = _TEXTS.pop(key, None)
-            if text is None:        # evicted meanwhile: render again (the key is the same)
-                key, text = kernel_key(k)
+            if text is None:        # evicted meanwhile, or a key made from a descriptor (conv_direct):
+                text = kernel_key(k)[1]     # render; the caller's key stays the key
         h = host()
         with _compile_lock:
             mod = optimize_ir(text)

@@ -281,7 +281,23 @@ def compile_direct_conv(d: DirectConvDesc, cache_dir: str | None = None) -> Comp
         raise CompileError(f"{d.name}: direct conv needs positive sizes and at most {MAX_TAPS} taps, got "
                            f"{g} with {d.cout} outputs")
     k = direct_conv_kernel(d)
-    return CompiledDirectConv(d, compile_cached(k, piece_cache(cache_dir)))
+    return CompiledDirectConv(d, compile_cached(k, piece_cache(cache_dir), direct_conv_key(d)))
+
+
+def direct_conv_key(d: DirectConvDesc) -> str:
+    """Piece-cache key of ``d``'s kernel, from what the kernel is built from (the descriptor,
+    and the source of the modules that build and render it), so that a hit -- a warm compile --
+    renders no LLVM text."""
+    import hashlib
+    import os
+    from ..cache import piece_key
+    from ..fsutil import files_digest
+    from .cached import _backend_digest
+    here = os.path.dirname(__file__)
+    src = files_digest(os.path.join(here, f) for f in
+                       ("conv_direct.py", "loopir.py", "printer.py", "llvm_math.py", "scalar_ops.py"))
+    digest = hashlib.sha256(f"{d!r}|{src}".encode()).hexdigest()
+    return piece_key(digest, "cpu-direct-conv", {"backend": _backend_digest()})
 
 
 def render_direct_conv(d: DirectConvDesc) -> str:

@@ -10,24 +10,26 @@ from apollo_py.runtime.blas import cblas
 from ..fuzz_graphs import random_graph
 
 
-def _chain(n, shape=(16, 16), transpose_at=None):
-    """``n`` reduce_max/sub pairs along alternating axes: ``n`` kernels that do not fuse; a small
-    transpose (a numpy step) after pair ``transpose_at`` splits the kernels in two runs."""
+def _chain(n, shape=(16, 16), gather_at=None):
+    """``n`` reduce_max/sub pairs along alternating axes: ``n`` kernels that do not fuse; a
+    gather of the rows in reverse order (data-dependent: a numpy step) after pair ``gather_at``
+    splits the kernels in two runs (a transpose no longer does: it is an index map of its
+    neighbour kernel)."""
     b = ap.GraphBuilder(f"chain{n}")
     y = b.input("x", shape)
     for i in range(n):
         y = y - b.reduce_max(y, axes=(i % 2,), keepdims=True)
-        if i == transpose_at:
-            y = b.transpose(y, perm=(1, 0))
+        if i == gather_at:
+            y = b.gather(y, b.constant(np.arange(shape[0] - 1, -1, -1).astype(np.int64)), axis=0)
     return b.build([y])
 
 
-def _chain_numpy(x, n, transpose_at=None):
+def _chain_numpy(x, n, gather_at=None):
     y = x.astype(np.float64)
     for i in range(n):
         y = y - y.max(axis=i % 2, keepdims=True)
-        if i == transpose_at:
-            y = y.T
+        if i == gather_at:
+            y = y[::-1]
     return y
 
 
@@ -72,7 +74,7 @@ def test_kernels_run_as_one_driver_call():
 
 def test_numpy_step_splits_the_schedule_into_two_segments():
     n = 6
-    f = ap.jit(_chain(n, transpose_at=2), options=ap.Options(num_threads=2))
+    f = ap.jit(_chain(n, gather_at=2), options=ap.Options(num_threads=2))
     x = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32)
     f(x)
     exe = f.specialization({"x": x.shape})
@@ -83,7 +85,7 @@ def test_numpy_step_splits_the_schedule_into_two_segments():
     calls = _counting(exe)
     got = f(x)
     assert calls == [cut, len(kinds) - cut - 1]
-    np.testing.assert_allclose(got, _chain_numpy(x, n, transpose_at=2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, _chain_numpy(x, n, gather_at=2), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got, _off(f, x))
 
 
