@@ -153,8 +153,16 @@ class ModelFile:
                                   .encode()).hexdigest()
 
     def view(self, offset: int, dtype: str, shape, strides) -> np.ndarray:
-        """A read-only array over the file's bytes."""
-        return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self.mm, offset=offset, strides=tuple(strides))
+        """A read-only array over the file's bytes; a copy where ``offset`` is not a multiple of
+        the dtype's alignment (protobuf puts raw_data anywhere): numpy runs misaligned arrays
+        through its slow buffered paths (a 64-row ``take`` from a [100000, 64] float32 table:
+        1.4 ms misaligned, 1.2 us aligned) and the compiled path gives kernels aligned arrays."""
+        dt = np.dtype(dtype)
+        a = np.ndarray(tuple(shape), dt, buffer=self.mm, offset=offset, strides=tuple(strides))
+        if offset % dt.alignment:
+            a = np.array(a)
+            a.flags.writeable = False
+        return a
 
 
 def model_file(path) -> ModelFile | None:
