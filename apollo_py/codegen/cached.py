@@ -234,7 +234,6 @@ def _emit_in_parallel(misses: list, timeout_s: float = 600.0) -> dict[str, tuple
     not deliver (it failed, or did not end within ``timeout_s`` of this process finishing its
     share) is left out: the caller compiles those in-process as before."""
     import shutil
-    import signal
     import tempfile
     import time
 
@@ -268,15 +267,7 @@ def _emit_in_parallel(misses: list, timeout_s: float = 600.0) -> dict[str, tuple
                 pass
         # the child has as much to do: waiting much longer means it is stuck (an LLVM lock
         # another thread held at the fork) and this process compiles its share instead
-        deadline = time.monotonic() + min(timeout_s, 2 * (time.monotonic() - started) + 5)
-        while True:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        if not done:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        _reap(pid, time.monotonic() + min(timeout_s, 2 * (time.monotonic() - started) + 5))
         for i, (key, _) in enumerate(theirs):
             try:
                 with open(os.path.join(tmp, f"{i}"), "rb") as f:
@@ -299,7 +290,6 @@ def share_with_child(items: Sequence, fn, cache_dir: str | None) -> dict:
     everything) without a cache dir, fork or a second core, or for fewer than
     :data:`PARALLEL_MIN` items.  A child that fails or does not finish in time only costs
     the caller those compiles."""
-    import signal
     import time
     if not cache_dir or len(items) < PARALLEL_MIN or not hasattr(os, "fork") or _cores() < 2:
         return {}
@@ -320,13 +310,21 @@ def share_with_child(items: Sequence, fn, cache_dir: str | None) -> dict:
         for i in range(0, len(items), 2):
             out[i] = fn(items[i])
     finally:
-        deadline = time.monotonic() + 2 * (time.monotonic() - started) + 5
-        while True:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        if not done:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        _reap(pid, time.monotonic() + 2 * (time.monotonic() - started) + 5)
     return out
+
+
+def _reap(pid: int, deadline: float) -> None:
+    """Wait for forked child ``pid`` until ``deadline`` (time.monotonic), then kill it: a
+    child still working then is stuck (an LLVM lock another thread held at the fork), and its
+    share is compiled by the caller instead."""
+    import signal
+    import time
+    while True:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

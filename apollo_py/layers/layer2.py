@@ -153,13 +153,7 @@ def absorb_index_maps(groups: list[list[int]], micro_graphs: Sequence,
     A transpose whose input comes from, or whose result goes to, a matmul / conv stays as it
     is: BLAS folding takes it as a ``trans`` flag or an operand swap (layers/blas_fold.py).
     """
-    where, readers = {}, {}
-    for gi, g in enumerate(groups):
-        for k in g:
-            for v in micro_graphs[k].outputs:
-                where[v] = gi
-            for v in micro_graphs[k].inputs:
-                readers.setdefault(v, set()).add(gi)
+    where, readers = _producers_and_readers(groups, micro_graphs)
     outs = set(graph_outputs)
     target: dict[int, tuple] = {}       # index-map group -> (kernel group, "before" | "after")
     for gi, g in enumerate(groups):
@@ -195,6 +189,19 @@ def absorb_index_maps(groups: list[list[int]], micro_graphs: Sequence,
     return out
 
 
+def _producers_and_readers(groups, micro_graphs) -> tuple[dict[str, int], dict[str, set]]:
+    """(value -> index of the group producing it, value -> indices of the groups reading it)."""
+    where: dict[str, int] = {}
+    readers: dict[str, set] = {}
+    for gi, g in enumerate(groups):
+        for k in g:
+            for v in micro_graphs[k].outputs:
+                where[v] = gi
+            for v in micro_graphs[k].inputs:
+                readers.setdefault(v, set()).add(gi)
+    return where, readers
+
+
 def absorb_concats(groups: list[list[int]], micro_graphs: Sequence, graph_outputs: Sequence[str],
                    max_groups: int = MAX_ABSORBED) -> list[list[int]]:
     """``groups`` with every lone ``concat`` micro-graph merged with the groups that compute
@@ -208,14 +215,7 @@ def absorb_concats(groups: list[list[int]], micro_graphs: Sequence, graph_output
     constants, other steps) are copied into their slice by the same kernel.  A concat with no
     kernel producer stays a numpy step.
     """
-    where = {}                          # value -> index of the group producing it
-    readers: dict[str, set] = {}        # value -> indices of the groups reading it
-    for gi, g in enumerate(groups):
-        for k in g:
-            for v in micro_graphs[k].outputs:
-                where[v] = gi
-            for v in micro_graphs[k].inputs:
-                readers.setdefault(v, set()).add(gi)
+    where, readers = _producers_and_readers(groups, micro_graphs)
     outs_of = [{v for k in g for v in micro_graphs[k].outputs} for g in groups]
     ins_of = [{v for k in g for v in micro_graphs[k].inputs} for g in groups]
     kernel = [_kernelable(g, micro_graphs) for g in groups]
