@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 
 import apollo_py as ap  # noqa: E402
 import workloads as W  # noqa: E402
+from contenders import NumpyOps, jax_ops, torch_ops  # noqa: E402
 
 GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -76,8 +77,8 @@ def bias_reducesum(xp, x, bias):
 
 
 def four_branches(xp, x0, x1, x2, x3):
-    return xp.concatenate([xp.sum(xp.exp(x0), -1, True), xp.max(xp.tanh(x1), -1, True),
-                           xp.sum(x2 * x2, -1, True), xp.mean(xp.abs(x3), -1, True)], 1)
+    return xp.concat([xp.sum(xp.exp(x0), -1, True), xp.max(xp.tanh(x1), -1, True),
+                     xp.sum(x2 * x2, -1, True), xp.mean(xp.abs(x3), -1, True)], 1)
 
 
 def _params(name, wl):
@@ -95,50 +96,7 @@ FUNCS = {"layernorm": layernorm, "softmax": softmax, "logsoftmax": logsoftmax, "
          "bias_maxpool": bias_maxpool, "bias_reducesum": bias_reducesum, "four_branches": four_branches}
 
 
-# -- array namespaces ---------------------------------------------------------------------------
-
-class NumpyXP:
-    exp, log, tanh, sqrt, abs = np.exp, np.log, np.tanh, np.sqrt, np.abs
-
-    @staticmethod
-    def max(x, axis, keepdims):
-        return np.max(x, axis=axis, keepdims=keepdims)
-
-    @staticmethod
-    def sum(x, axis, keepdims):
-        return np.sum(x, axis=axis, keepdims=keepdims)
-
-    @staticmethod
-    def mean(x, axis, keepdims):
-        return np.mean(x, axis=axis, keepdims=keepdims)
-
-    @staticmethod
-    def concatenate(xs, axis):
-        return np.concatenate(xs, axis=axis)
-
-
-def jax_xp():
-    import jax.numpy as jnp
-
-    class JaxXP(NumpyXP):
-        exp, log, tanh, sqrt, abs = jnp.exp, jnp.log, jnp.tanh, jnp.sqrt, jnp.abs
-        max = staticmethod(lambda x, a, k: jnp.max(x, axis=a, keepdims=k))
-        sum = staticmethod(lambda x, a, k: jnp.sum(x, axis=a, keepdims=k))
-        mean = staticmethod(lambda x, a, k: jnp.mean(x, axis=a, keepdims=k))
-        concatenate = staticmethod(lambda xs, a: jnp.concatenate(xs, axis=a))
-    return JaxXP
-
-
-def torch_xp():
-    import torch
-
-    class TorchXP:
-        exp, log, tanh, sqrt, abs = torch.exp, torch.log, torch.tanh, torch.sqrt, torch.abs
-        max = staticmethod(lambda x, a, k: torch.amax(x, dim=a, keepdim=k))
-        sum = staticmethod(lambda x, a, k: torch.sum(x, dim=a, keepdim=k))
-        mean = staticmethod(lambda x, a, k: torch.mean(x, dim=a, keepdim=k))
-        concatenate = staticmethod(lambda xs, a: torch.cat(xs, dim=a))
-    return TorchXP
+# array namespaces: benchmarks/contenders.py's (numpy, jax, torch), one set for both benchmarks
 
 
 # -- contenders -------------------------------------------------------------------------------
@@ -150,9 +108,9 @@ def contenders(name, wl, args):
     out = {}
 
     def plain(*xs):
-        return fn(NumpyXP, *xs, *params.values())
+        return fn(NumpyOps, *xs, *params.values())
     out["numpy"] = (plain, inputs)
-    jf = ap.jit(lambda *xs: fn(NumpyXP, *xs, *params.values()),
+    jf = ap.jit(lambda *xs: fn(NumpyOps, *xs, *params.values()),
                 options=ap.Options(num_threads=args.threads) if args.threads else None)
     out["apollo jit"] = (jf, inputs)
     # the same workload's ONNX model through apollo's ONNX import: tracing should cost nothing
@@ -163,7 +121,7 @@ def contenders(name, wl, args):
         try:
             import jax
             jp = {k: jax.numpy.asarray(v) for k, v in params.items()}
-            jx = jax_xp()
+            jx = jax_ops()
             jj = jax.jit(lambda *xs: fn(jx, *xs, *jp.values()))
             jin = [jax.numpy.asarray(x) for x in inputs]
             out["jax.jit"] = (lambda *xs: jj(*xs).block_until_ready(), jin)
@@ -175,7 +133,7 @@ def contenders(name, wl, args):
             if args.threads:
                 torch.set_num_threads(args.threads)
             tp = {k: torch.from_numpy(v.copy()) for k, v in params.items()}
-            tx = torch_xp()
+            tx = torch_ops()
             tc = torch.compile(lambda *xs: fn(tx, *xs, *tp.values()))
             tin = [torch.from_numpy(x.copy()) for x in inputs]
             out["torch.compile"] = (lambda *xs: tc(*xs), tin)
