@@ -152,3 +152,13 @@ def init(seed, dtype=np.float32, d=16, vocab=11, seq=6, ffn=32):
         "x_mlp": r(7, 12, scale=1.0), "x_conv": r(2, 3, 8, 8, scale=1.0), "x_attn": r(2, 6, d, scale=1.0),
         "ids": rng.integers(0, vocab, size=(2, seq)).astype(np.int64),
     }
+
+
+#: name -> (model function, its parameters' key in init(), its input's key): the models the
+#: trace tests run (test_models.py against numpy, test_grad.py against finite differences)
+CASES = {
+    "mlp": (mlp, "mlp", "x_mlp"),
+    "conv_block": (conv_block, "conv", "x_conv"),
+    "attention_block": (attention_block, "attn", "x_attn"),
+    "transformer": (transformer, "transformer", "ids"),
+}

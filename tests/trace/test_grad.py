@@ -58,12 +58,7 @@ def _scalar_loss(model, n_out_shape, seed=5):
     return loss
 
 
-CASES = {
-    "mlp": (M.mlp, "mlp", "x_mlp"),
-    "conv_block": (M.conv_block, "conv", "x_conv"),
-    "attention_block": (M.attention_block, "attn", "x_attn"),
-    "transformer": (M.transformer, "transformer", "ids"),
-}
+CASES = M.CASES
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -23,12 +23,7 @@ def close(got, want, rtol=1e-5, atol=1e-5):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-CASES = {
-    "mlp": (M.mlp, "mlp", "x_mlp"),
-    "conv_block": (M.conv_block, "conv", "x_conv"),
-    "attention_block": (M.attention_block, "attn", "x_attn"),
-    "transformer": (M.transformer, "transformer", "ids"),
-}
+CASES = M.CASES
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
