@@ -26,6 +26,7 @@ channels, each a 16-lane dot product of a contiguous weight row with the input v
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 
 import numpy as np
@@ -289,15 +290,20 @@ def direct_conv_key(d: DirectConvDesc) -> str:
     and the source of the modules that build and render it), so that a hit -- a warm compile --
     renders no LLVM text."""
     import hashlib
-    import os
     from ..cache import piece_key
-    from ..fsutil import files_digest
     from .cached import _backend_digest
-    here = os.path.dirname(__file__)
-    src = files_digest(os.path.join(here, f) for f in
-                       ("conv_direct.py", "loopir.py", "printer.py", "llvm_math.py", "scalar_ops.py"))
-    digest = hashlib.sha256(f"{d!r}|{src}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{d!r}|{_source_digest()}".encode()).hexdigest()
     return piece_key(digest, "cpu-direct-conv", {"backend": _backend_digest()})
+
+
+@lru_cache(maxsize=None)
+def _source_digest() -> str:
+    """sha256 of the modules that build and render a direct conv's kernel (read once)."""
+    import os
+    from ..fsutil import files_digest
+    here = os.path.dirname(__file__)
+    return files_digest(os.path.join(here, f) for f in
+                        ("conv_direct.py", "loopir.py", "printer.py", "llvm_math.py", "scalar_ops.py"))
 
 
 def render_direct_conv(d: DirectConvDesc) -> str:
