@@ -568,3 +568,4 @@ def _pad(cx):
 
 
 from . import onnx_ops_index  # noqa: E402,F401  (registers the index, einsum and resize converters)
+from . import onnx_ops_rnn  # noqa: E402,F401  (registers the LSTM, GRU and RNN converters)

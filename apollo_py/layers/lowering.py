@@ -27,7 +27,7 @@ from .layer2 import absorb_concats, absorb_index_maps, stitch_groups
 from .steps import StepSpec
 
 REFERENCE_OPS = {"reshape", "transpose", "slice", "concat", "pad", "gather", "onnx_op", "scatter_add",
-                 "constant"}
+                 "constant", "recurrent"}
 BLAS_OPS = {"matmul", "conv"}
 
 
@@ -73,6 +73,11 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
             continue
         if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "transpose":
             spec = _transpose_step(nodes[0], graph, later, tuple(group))
+            if spec is not None:
+                steps.append(spec)
+                continue
+        if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "recurrent":
+            spec = _recurrent_step(nodes[0], graph, options, tuple(group))
             if spec is not None:
                 steps.append(spec)
                 continue
@@ -162,6 +167,38 @@ def _transpose_step(node, graph: Graph, later: set, group: tuple):
                         band_extents=(loop.parallel_extent,) if loop.parallel_var else (), tile_sizes=(),
                         flops=0, bytes=t_in.nbytes + t_out.nbytes, reduce_form=None, strategy="copy",
                         schedule_ms=0.0, total_ms=0.0)
+    return StepSpec(ins, outs, fused=fused, micro_graphs=group)
+
+
+def _recurrent_step(node, graph: Graph, options: Options, group: tuple):
+    """The generated time-loop kernel of a ``recurrent`` node (codegen/recurrent.py), or None
+    when it stays a numpy step (a target other than the CPU's LLVM, or a dtype it lacks)."""
+    import hashlib
+    import os
+
+    from ..codegen.recurrent import block_rows, recurrent_kernel
+    from .layer1 import FusedKernel
+    types = graph.types
+    xp, aux = types[node.inputs[0]], types[node.inputs[4]]
+    if options.target != "cpu" or xp.dtype not in ("float32", "float64"):
+        return None
+    t_len, batch = xp.shape[:2]
+    a = node.attrs
+    threads = max(1, int(options.num_threads or os.cpu_count() or 1))
+    key = f"{xp.dtype}{xp.shape}{aux.shape}{threads}{sorted(a.items())}"
+    name = "rnn_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+    loop = recurrent_kernel(name, a, t_len, batch, aux.shape[1], xp.dtype, threads)
+    nd, hsz = len(a["directions"]), int(a["hidden"])
+    r = types[node.inputs[1]]
+    bs = block_rows(batch, nd, threads)
+    # R is read once per step per block of rows; the rest once per call
+    moved = t_len * nd * -(-batch // bs) * r.nbytes // nd + sum(types[v].nbytes for v in node.inputs) \
+        + sum(types[v].nbytes for v in node.outputs)
+    ins, outs = tuple(node.inputs), tuple(node.outputs)
+    fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,
+                        signature="recurrent", parallel_dims=1, band_extents=(loop.parallel_extent,),
+                        tile_sizes=(), flops=2 * t_len * batch * r.size, bytes=int(moved),
+                        reduce_form=None, strategy="recurrent", schedule_ms=0.0, total_ms=0.0)
     return StepSpec(ins, outs, fused=fused, micro_graphs=group)
 
 

@@ -112,6 +112,9 @@ def run_model(name: str) -> dict:
                 errs.append(d / max(float(np.max(np.abs(w))), 1e-30) if w.size else 0.0)
             report[f"{target}{'/alt' if alt else ''}"] = errs if len(got) == len(want) else \
                 [f"{len(got)} outputs, expected {len(want)}"]
+        if target == "cpu":
+            fallback_ops = sorted({op for _, op, _ in f.plan.coverage.fallback})
+    report["fallback_ops"] = fallback_ops
     return report
 
 
@@ -157,6 +160,9 @@ def _check(name: str, zoo_runs) -> None:
     if rc != 0:
         pytest.fail(f"{name}: exited {rc}:\n{err[-3000:]}")
     report = json.loads(out.strip().splitlines()[-1])
+    fallback_ops = report.pop("fallback_ops")
+    # recurrent ops are lowered (frontend/onnx_ops_rnn.py): none may run through onnx.reference
+    assert not set(fallback_ops) & {"LSTM", "GRU", "RNN"}, f"{name}: fallback {fallback_ops}"
     bad = {k: v for k, v in report.items() if any(isinstance(e, str) or e > RTOL for e in v)}
     assert not bad, f"{name}: max|Δ|/max|ref| above {RTOL}: {bad}"
 

@@ -1,0 +1,206 @@
+"""Loop-IR kernel of the ``recurrent`` primitive (ops/recurrent.py): an LSTM/GRU/RNN time loop.
+
+One kernel walks every time step of every direction; per step and batch row it computes the
+recurrent products ``h_{t-1} @ R^T`` (one dot product of length H per gate unit: R's rows are
+contiguous, so the dot is an x-reduce over ``lane_reduce``'s vector lanes) into a scratch
+``gates`` array, then the gate arithmetic of all units, then writes the new state.  The state
+lives in the ``Y_h`` / ``Y_c`` outputs (initialised from ``h0`` / ``c0``), so it stays in L1 for
+small hidden sizes and nothing is allocated per call.
+
+Parallel loop: ``p`` over (direction, block of ``bs`` batch rows); directions and batch rows are
+independent through time, so chunks need no synchronisation.  Within a block, each R row is read
+once per step and reused from L1 for the block's rows.
+
+Expects float32 or float64 operands (the lowering keeps other dtypes on the numpy reference).
+"""
+from __future__ import annotations
+
+from apollo_py.codegen import loopir as L
+from apollo_py.codegen.templates import lane_reduce
+from apollo_py.errors import CompileError
+from apollo_py.ops.recurrent import ACTIVATIONS, GATES
+
+
+def _act(name: str, alpha: float, beta: float, x: L.Expr) -> L.Expr:
+    """ONNX activation ``name`` applied to ``x`` (loop-IR expression)."""
+    dt = x.dtype
+
+    def c(v):
+        return L.Const(float(v), dt)
+    if name == "Sigmoid":
+        return L.Un("sigmoid", x)
+    if name == "Tanh":
+        return L.Un("tanh", x)
+    if name == "Relu":
+        return L.maximum(x, c(0))
+    if name == "HardSigmoid":
+        return L.minimum(L.maximum(c(alpha) * x + c(beta), c(0)), c(1))
+    if name == "LeakyRelu":
+        return L.Select(L.ge(x, c(0)), x, c(alpha) * x)
+    if name == "Affine":
+        return c(alpha) * x + c(beta)
+    if name == "ScaledTanh":
+        return c(alpha) * L.Un("tanh", c(beta) * x)
+    if name == "Softsign":
+        return x / (c(1) + L.Un("abs", x))
+    if name == "Softplus":
+        return L.Un("log", c(1) + L.Un("exp", x))
+    raise CompileError(f"recurrent kernel: activation {name!r} has no loop-IR form "
+                       f"(supported: {', '.join(ACTIVATIONS)})")
+
+
+def block_rows(batch: int, directions: int, threads: int) -> int:
+    """Batch rows per parallel chunk: at most 4 (an R row is reused from L1 across them), fewer
+    when that leaves threads idle."""
+    bs = min(batch, 4)
+    while bs > 1 and directions * -(-batch // bs) < threads:
+        bs -= 1
+    return max(bs, 1)
+
+
+def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dtype: str,
+                     threads: int = 2) -> L.Kernel:
+    """The loop-IR Kernel computing ``recurrent`` with attributes ``attrs`` for ``T = t_len``,
+    ``B = batch``, ``aux`` of ``aux_len`` columns and float ``dtype``.  Params, in order:
+    ``xp, r, h0, lens, aux, [c0], y, yh, [yc]`` (the op's inputs, then its outputs)."""
+    if dtype not in ("float32", "float64"):
+        raise CompileError(f"recurrent kernel: dtype {dtype} (float32 / float64 only)")
+    cell, hsz = attrs["cell"], int(attrs["hidden"])
+    g, nd = GATES[cell], len(attrs["directions"])
+    gh = g * hsz
+    lstm = cell == "lstm"
+    clip = float(attrs["clip"])
+    bs = block_rows(batch, nd, threads)
+    nblk = -(-batch // bs)
+
+    xp = L.Param("xp", dtype, t_len * batch * nd * gh)
+    r = L.Param("r", dtype, nd * gh * hsz)
+    h0 = L.Param("h0", dtype, nd * batch * hsz)
+    lens = L.Param("lens", "int32", batch)
+    aux = L.Param("aux", dtype, nd * aux_len)
+    c0 = L.Param("c0", dtype, nd * batch * hsz) if lstm else None
+    y = L.Param("y", dtype, t_len * nd * batch * hsz)
+    yh = L.Param("yh", dtype, nd * batch * hsz)
+    yc = L.Param("yc", dtype, nd * batch * hsz) if lstm else None
+    params = (xp, r, h0, lens, aux) + ((c0,) if lstm else ()) + (y, yh) + ((yc,) if lstm else ())
+
+    p, bi, j, s, tt = (L.Var(n) for n in ("p", "bi", "j", "s", "tt"))
+    d, blk = L.Var("d"), L.Var("blk")
+    b, n_b, t_b = L.Var("b"), L.Var("n_b"), L.Var("t_b")
+    live = L.Var("live", "bool")
+    gates = L.Alloc("gates", dtype, bs * gh)
+    hn = L.Alloc("hn", dtype, bs * hsz)
+    rh = L.Alloc("rh", dtype, bs * hsz)       # GRU without linear_before_reset: r * h_{t-1}
+
+    def cf(v):
+        return L.Const(float(v), dtype)
+
+    def clipped(v):
+        return L.minimum(L.maximum(v, cf(-clip)), cf(clip)) if clip >= 0 else v
+
+    def row_prelude():
+        """Locals b (batch row), n_b (its clamped length), t_b (this step's time index)."""
+        n = L.Cast("int64", L.Load(lens, b))
+        rev = [di for di, dname in enumerate(attrs["directions"]) if dname == "reverse"]
+        if not rev:
+            t_expr = s
+        elif len(rev) == nd:
+            t_expr = n_b - 1 - s
+        else:
+            t_expr = L.Select(L.eq(d, rev[0]), n_b - 1 - s, s)
+        return [L.Local("n_b", "int64", L.minimum(L.maximum(n, 0), t_len)),
+                L.Local("t_b", "int64", t_expr)]
+
+    def per_row(body, stmts_before=()):
+        """``body`` for each valid row of the block that is still running at step s."""
+        return L.for_("bi", 0, bs, [
+            L.Local("b", "int64", blk * bs + bi),
+            L.If(L.lt(b, batch), [*row_prelude(), L.If(L.lt(s, n_b), list(body))]),
+        ])
+
+    def hidx(jj):  # element jj of row b's state in direction d
+        return (d * batch + b) * hsz + jj
+
+    def dot_into(row_lo: int, row_hi: int, src, src_base, tag: str, with_x: bool = True):
+        """gates[bi, j] = xp[t_b, b, d, j] + src[src_base + k] . r[d, j, k] for j in [row_lo, row_hi)
+        (without the xp term when ``with_x`` is false)."""
+        stmts, acc = lane_reduce(f"acc{tag}", "sum", dtype, 0, hsz,
+                                 lambda k: L.Load(src, src_base + k) * r[(d * gh + j) * hsz + k],
+                                 lanes=8 if hsz >= 8 else 1)
+        xv = xp[((t_b * batch + b) * nd + d) * gh + j]
+        return L.for_("j", row_lo, row_hi, [*stmts, L.Store(gates, bi * gh + j, xv + acc if with_x else acc)])
+
+    # the step: recurrent products, then gate math into hn (and yc), then hn -> yh and y
+    acts = attrs["acts"]
+
+    def act(k, x):
+        """Activation k (f, g, h) of direction d: a Select chain when directions differ."""
+        outs = [_act(*acts[di][k], x) for di in range(nd)]
+        e = outs[-1]
+        for di in range(nd - 2, -1, -1):
+            if outs[di] != e:
+                e = L.Select(L.eq(d, di), outs[di], e)
+        return e
+
+    gv = [gates[bi * gh + gi * hsz + j] for gi in range(g)]
+    hprev = yh[hidx(j)]
+    step: list = []
+    if cell == "rnn":
+        step.append(per_row([dot_into(0, gh, yh, hidx(0), "")]))
+        elem = [L.Store(hn, bi * hsz + j, act(0, clipped(gv[0])))]
+    elif lstm:
+        step.append(per_row([dot_into(0, gh, yh, hidx(0), "")]))
+        cprev = yc[hidx(j)]
+        zi, zo, zf, zc = gv
+        peep = bool(attrs["peephole"])
+        if peep:
+            zi = zi + aux[d * aux_len + j] * cprev
+            zf = zf + aux[d * aux_len + 2 * hsz + j] * cprev
+        i_g = L.Var("i_g", dtype)
+        f_g = cf(1) - i_g if attrs["input_forget"] else act(0, clipped(zf))
+        c_new = L.Var("c_new", dtype)
+        zo_full = zo + aux[d * aux_len + hsz + j] * c_new if peep else zo
+        elem = [L.Local("i_g", dtype, act(0, clipped(zi))),
+                L.Local("c_new", dtype, f_g * cprev + i_g * act(1, clipped(zc))),
+                L.Store(yc, hidx(j), c_new),
+                L.Store(hn, bi * hsz + j, act(0, clipped(zo_full)) * act(2, c_new))]
+    else:
+        zt = act(0, clipped(gv[0]))
+        if attrs["lbr"]:
+            # linear_before_reset: gates[2] holds h @ Rh^T alone; r multiplies it plus Rbh
+            step.append(per_row([dot_into(0, 2 * hsz, yh, hidx(0), ""),
+                                 dot_into(2 * hsz, gh, yh, hidx(0), "h", with_x=False)]))
+            xh = xp[((t_b * batch + b) * nd + d) * gh + 2 * hsz + j]
+            h_t = act(1, clipped(xh + act(0, clipped(gv[1])) * (gv[2] + aux[d * aux_len + j])))
+        else:
+            # z and r first; r * h_{t-1} into rh; then the h gate's products read rh
+            step.append(per_row([
+                dot_into(0, 2 * hsz, yh, hidx(0), ""),
+                L.for_("j", 0, hsz, L.Store(rh, bi * hsz + j, act(0, clipped(gv[1])) * hprev), "vector"),
+                dot_into(2 * hsz, gh, rh, bi * hsz, "h"),
+            ]))
+            h_t = act(1, clipped(gv[2]))
+        elem = [L.Store(hn, bi * hsz + j, (cf(1) - zt) * h_t + zt * hprev)]
+    step.append(per_row([L.for_("j", 0, hsz, elem, "vector")]))
+    step.append(per_row([L.for_("j", 0, hsz, [L.Store(yh, hidx(j), hn[bi * hsz + j]),
+                                               L.Store(y, ((t_b * nd + d) * batch + b) * hsz + j,
+                                                       hn[bi * hsz + j])], "vector")]))
+
+    # per block: state from h0/c0, Y zeroed (rows past their length stay 0), then the time loop
+    init = [L.for_("bi", 0, bs, [
+        L.Local("b", "int64", blk * bs + bi),
+        L.If(L.lt(b, batch), [
+            # a row of length 0 reports a zero state, as onnxruntime does (ONNX leaves it open)
+            L.Local("live", "bool", L.gt(L.Load(lens, b), L.Const(0, "int32"))),
+            L.for_("j", 0, hsz, [L.Store(yh, hidx(j), L.Select(live, h0[hidx(j)], cf(0)))]
+                   + ([L.Store(yc, hidx(j), L.Select(live, c0[hidx(j)], cf(0)))] if lstm else []), "vector"),
+            L.for_("tt", 0, t_len, [L.for_("j", 0, hsz, L.Store(y, ((tt * nd + d) * batch + b) * hsz + j,
+                                                                 cf(0)), "vector")]),
+        ])])]
+    body = L.for_("p", 0, nd * nblk, [
+        L.Local("d", "int64", p // nblk), L.Local("blk", "int64", p % nblk),
+        gates, hn, *([rh] if cell == "gru" and not attrs["lbr"] else []),
+        *init, L.for_("s", 0, t_len, step)], "parallel")
+    k = L.Kernel(name, params, L.block(body), "p", nd * nblk)
+    L.verify_kernel(k)
+    return k
