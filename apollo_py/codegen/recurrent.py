@@ -16,7 +16,6 @@ Expects float32 or float64 operands (the lowering keeps other dtypes on the nump
 from __future__ import annotations
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.templates import lane_reduce
 from apollo_py.errors import CompileError
 from apollo_py.ops.recurrent import ACTIVATIONS, GATES
 
@@ -50,12 +49,11 @@ def _act(name: str, alpha: float, beta: float, x: L.Expr) -> L.Expr:
 
 
 def block_rows(batch: int, directions: int, threads: int) -> int:
-    """Batch rows per parallel chunk: at most 4 (an R row is reused from L1 across them), fewer
-    when that leaves threads idle."""
-    bs = min(batch, 4)
-    while bs > 1 and directions * -(-batch // bs) < threads:
-        bs -= 1
-    return max(bs, 1)
+    """Batch rows per parallel chunk: the batch split evenly over the threads the directions
+    leave idle, at most 4 rows (each R element loaded is reused from a register for the
+    block's rows; 4 rows x 2 vector accumulators stay within 16 registers)."""
+    per_dir = max(1, -(-threads // directions))
+    return max(1, min(4, -(-batch // per_dir)))
 
 
 def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dtype: str,
@@ -121,14 +119,40 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
     def hidx(jj):  # element jj of row b's state in direction d
         return (d * batch + b) * hsz + jj
 
-    def dot_into(row_lo: int, row_hi: int, src, src_base, tag: str, with_x: bool = True):
-        """gates[bi, j] = xp[t_b, b, d, j] + src[src_base + k] . r[d, j, k] for j in [row_lo, row_hi)
-        (without the xp term when ``with_x`` is false)."""
-        stmts, acc = lane_reduce(f"acc{tag}", "sum", dtype, 0, hsz,
-                                 lambda k: L.Load(src, src_base + k) * r[(d * gh + j) * hsz + k],
-                                 lanes=8 if hsz >= 8 else 1)
-        xv = xp[((t_b * batch + b) * nd + d) * gh + j]
-        return L.for_("j", row_lo, row_hi, [*stmts, L.Store(gates, bi * gh + j, xv + acc if with_x else acc)])
+    # lanes per row: 2 x 16 float32 accumulators (two AVX-512 / four AVX2 registers) for long
+    # rows; with bs rows at once that is 2*bs independent FMA chains sharing each load of R
+    lanes = (32 if hsz >= 64 else 8) if dtype == "float32" else (16 if hsz >= 32 else 4)
+    full = hsz // lanes
+    dacc = L.Alloc("dacc", dtype, bs * lanes)
+    q, c_, l_, kt = L.Var("q"), L.Var("c"), L.Var("l"), L.Var("kt")
+
+    def src_row(src, bi_):
+        """Start of row bi_'s state in ``src`` (yh: rows past the batch read the last row,
+        whose results are never stored; rh: the scratch row)."""
+        if src is yh:
+            return (d * batch + L.minimum(blk * bs + bi_, L.Const(batch - 1))) * hsz
+        return bi_ * hsz
+
+    def dots(row_lo: int, row_hi: int, src):
+        """gates[bi, j] = src row bi . r[d, j, :] for j in [row_lo, row_hi), every row of the block
+        at once (each R element loaded once for the block)."""
+        rrow = (d * gh + j) * hsz
+        body = [L.for_("q", 0, bs * lanes, L.Store(dacc, q, cf(0)), "unroll")]
+        if full:
+            body.append(L.for_("c", 0, full, [L.for_("bi", 0, bs, [L.for_("l", 0, lanes, L.Store(
+                dacc, bi * lanes + l_, dacc[bi * lanes + l_]
+                + L.Load(src, src_row(src, bi) + c_ * lanes + l_) * r[rrow + c_ * lanes + l_]), "vector")],
+                "unroll")]))
+        if hsz % lanes:
+            body.append(L.for_("kt", full * lanes, hsz, [L.for_("bi", 0, bs, L.Store(
+                dacc, bi * lanes + kt - full * lanes, dacc[bi * lanes + kt - full * lanes]
+                + L.Load(src, src_row(src, bi) + kt) * r[rrow + kt]), "unroll")]))
+        fold = L.Var("fold", dtype)
+        body.append(L.for_("bi", 0, bs, [
+            L.Local("fold", dtype, dacc[bi * lanes]),
+            L.for_("l", 1, lanes, L.Assign("fold", fold + dacc[bi * lanes + l_]), "unroll"),
+            L.Store(gates, bi * gh + j, fold)], "unroll"))
+        return L.for_("j", row_lo, row_hi, body)
 
     # the step: recurrent products, then gate math into hn (and yc), then hn -> yh and y
     acts = attrs["acts"]
@@ -142,14 +166,18 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
                 e = L.Select(L.eq(d, di), outs[di], e)
         return e
 
-    gv = [gates[bi * gh + gi * hsz + j] for gi in range(g)]
+    def xv(gi):  # projected input of gate gi, unit j, at this row's time index
+        return xp[((t_b * batch + b) * nd + d) * gh + gi * hsz + j]
+
+    dot = [gates[bi * gh + gi * hsz + j] for gi in range(g)]
+    gv = [xv(gi) + dot[gi] for gi in range(g)]
     hprev = yh[hidx(j)]
     step: list = []
     if cell == "rnn":
-        step.append(per_row([dot_into(0, gh, yh, hidx(0), "")]))
+        step.append(dots(0, gh, yh))
         elem = [L.Store(hn, bi * hsz + j, act(0, clipped(gv[0])))]
     elif lstm:
-        step.append(per_row([dot_into(0, gh, yh, hidx(0), "")]))
+        step.append(dots(0, gh, yh))
         cprev = yc[hidx(j)]
         zi, zo, zf, zc = gv
         peep = bool(attrs["peephole"])
@@ -167,18 +195,15 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
     else:
         zt = act(0, clipped(gv[0]))
         if attrs["lbr"]:
-            # linear_before_reset: gates[2] holds h @ Rh^T alone; r multiplies it plus Rbh
-            step.append(per_row([dot_into(0, 2 * hsz, yh, hidx(0), ""),
-                                 dot_into(2 * hsz, gh, yh, hidx(0), "h", with_x=False)]))
-            xh = xp[((t_b * batch + b) * nd + d) * gh + 2 * hsz + j]
-            h_t = act(1, clipped(xh + act(0, clipped(gv[1])) * (gv[2] + aux[d * aux_len + j])))
+            # linear_before_reset: the reset gate multiplies h @ Rh^T + Rbh
+            step.append(dots(0, gh, yh))
+            h_t = act(1, clipped(xv(2) + act(0, clipped(gv[1])) * (dot[2] + aux[d * aux_len + j])))
         else:
             # z and r first; r * h_{t-1} into rh; then the h gate's products read rh
-            step.append(per_row([
-                dot_into(0, 2 * hsz, yh, hidx(0), ""),
-                L.for_("j", 0, hsz, L.Store(rh, bi * hsz + j, act(0, clipped(gv[1])) * hprev), "vector"),
-                dot_into(2 * hsz, gh, rh, bi * hsz, "h"),
-            ]))
+            step += [dots(0, 2 * hsz, yh),
+                     per_row([L.for_("j", 0, hsz, L.Store(rh, bi * hsz + j, act(0, clipped(gv[1])) * hprev),
+                                     "vector")]),
+                     dots(2 * hsz, gh, rh)]
             h_t = act(1, clipped(gv[2]))
         elem = [L.Store(hn, bi * hsz + j, (cf(1) - zt) * h_t + zt * hprev)]
     step.append(per_row([L.for_("j", 0, hsz, elem, "vector")]))
@@ -199,7 +224,7 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
         ])])]
     body = L.for_("p", 0, nd * nblk, [
         L.Local("d", "int64", p // nblk), L.Local("blk", "int64", p % nblk),
-        gates, hn, *([rh] if cell == "gru" and not attrs["lbr"] else []),
+        gates, hn, dacc, *([rh] if cell == "gru" and not attrs["lbr"] else []),
         *init, L.for_("s", 0, t_len, step)], "parallel")
     k = L.Kernel(name, params, L.block(body), "p", nd * nblk)
     L.verify_kernel(k)
