@@ -88,6 +88,8 @@ CASES = [
     ("LSTM", 6, 4, "bidirectional", 5, 2, dict(peep=True, attrs=dict(clip=0.5))),
     ("LSTM", 6, 4, "forward", 5, 2, dict(attrs=dict(input_forget=1))),
     ("LSTM", 33, 7, "forward", 3, 5, dict(bias=False, h0=True)),
+    ("LSTM", 70, 9, "forward", 4, 5, dict(seq=True, h0=True, c0=True)),   # 32-lane dots with a tail,
+    ("GRU", 70, 9, "reverse", 4, 5, dict(seq=True, h0=True)),              # rows past the batch
     ("GRU", 8, 5, "bidirectional", 6, 3, dict(seq=True, h0=True)),
     ("GRU", 8, 5, "bidirectional", 6, 3, dict(seq=True, h0=True, attrs=dict(linear_before_reset=1))),
     ("GRU", 5, 3, "reverse", 1, 1, dict(h0=True, attrs=dict(linear_before_reset=1))),
