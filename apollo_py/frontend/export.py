@@ -282,6 +282,8 @@ class _Exporter:
             self._window(n, ins[0], out)
         elif op == "onnx_op":
             self._onnx_op(n, ins)
+        elif op == "recurrent":
+            self._recurrent(n, ins)
         else:
             raise UnsupportedOpError(op, n.label, "no ONNX export for this primitive")
 
@@ -316,6 +318,43 @@ class _Exporter:
                             [res if need else out])
         if need:
             self.node("Reshape", [res, self.ints(ot.shape, "shape")], [out])
+
+    def _recurrent(self, n: Node, ins: list[str]):
+        """The ``recurrent`` primitive as the ONNX LSTM / GRU / RNN node it runs: its input is
+        the projected ``xp`` (so W selects direction d's columns and the folded biases are 0;
+        GRU's ``Rbh`` and LSTM's peepholes come from ``aux``)."""
+        from ..ops.recurrent import ACTIVATIONS, GATES
+        a = n.attrs
+        cell, hsz, nd = a["cell"], int(a["hidden"]), len(a["directions"])
+        gh = GATES[cell] * hsz
+        dt = self.g.types[n.inputs[0]].np_dtype
+        w = np.zeros((nd, gh, nd * gh), dt)
+        for d in range(nd):
+            w[d, :, d * gh:(d + 1) * gh] = np.eye(gh, dtype=dt)
+        xp, r, h0, lens, aux = ins[:5]
+        bias = ""
+        if cell == "gru" and a["lbr"]:   # B's last H columns per direction are Rbh
+            bias = self.fresh("B")
+            self.node("Concat", [self.const(np.zeros((nd, 2 * gh - hsz), dt), "zeros"), aux], [bias], axis=1)
+        inputs = [xp, self.const(w, "W"), r, bias, lens, h0]
+        if cell == "lstm":
+            inputs += [ins[5], aux if a["peephole"] else ""]
+        acts = [act for per_dir in a["acts"] for act in per_dir]
+        alphas = [float(al) for name, al, _ in acts if ACTIVATIONS[name][0] is not None]
+        betas = [float(be) for name, _, be in acts if ACTIVATIONS[name][1] is not None]
+        attrs = dict(hidden_size=hsz, activations=[name for name, _, _ in acts],
+                     direction="bidirectional" if nd == 2 else a["directions"][0])
+        if alphas:
+            attrs["activation_alpha"] = alphas
+        if betas:
+            attrs["activation_beta"] = betas
+        if float(a["clip"]) >= 0:
+            attrs["clip"] = float(a["clip"])
+        if cell == "gru":
+            attrs["linear_before_reset"] = int(a["lbr"])
+        if cell == "lstm":
+            attrs["input_forget"] = int(a["input_forget"])
+        self.node(cell.upper(), inputs, [self.name(o) for o in n.outputs], **attrs)
 
     def _onnx_op(self, n: Node, ins: list[str]):
         import onnx
