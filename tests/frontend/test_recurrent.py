@@ -21,17 +21,17 @@ GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
 def _model(op, hid, inp, direction, t_len, batch, *, layout=0, seq=False, h0=False, c0=False, bias=True,
-           peep=False, attrs=None, seed=0, dtype=np.float32):
-    """One recurrent node with constant W, R (B, P) and graph inputs x (sequence_lens,
-    initial_h, initial_c); returns the model and feeds.  Row 0 of sequence_lens is the full
-    length, the others random in [0, T] (0 included)."""
+           peep=False, attrs=None, seed=0, dtype=np.float32, scale=0.4):
+    """One recurrent node with constant W, R (B, P) of N(0, scale^2) weights and graph inputs
+    x (sequence_lens, initial_h, initial_c); returns the model and feeds.  Row 0 of
+    sequence_lens is the full length, the others random in [0, T] (0 included)."""
     rng = np.random.default_rng(seed)
     nd = 2 if direction == "bidirectional" else 1
     g = GATES[op]
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
     def const(name, shape):
-        return helper.make_tensor(name, elem, shape, (rng.standard_normal(int(np.prod(shape))) * 0.4)
+        return helper.make_tensor(name, elem, shape, (rng.standard_normal(int(np.prod(shape))) * scale)
                                   .astype(dtype).tolist())
     inits = [const("W", [nd, g * hid, inp]), const("R", [nd, g * hid, hid])]
     xs = (t_len, batch, inp) if layout == 0 else (batch, t_len, inp)
