@@ -125,10 +125,13 @@ def _gather_infer(ins, a):
 def _gather_ref(xs, a):
     data, idx = xs
     ax = a["axis"]
-    n = data.shape[ax]
-    if np.any((idx < -n) | (idx >= n)):
-        raise ShapeError(f"gather index out of range [-{n}, {n})")
-    return [np.take(data, np.where(idx < 0, idx + n, idx), axis=ax)]
+    # np.take's default mode checks the range and wraps negative indices itself: one call,
+    # ~1 us for DLRM's lookups, where a separate range check and np.where cost several
+    try:
+        return [np.take(data, idx, axis=ax)]
+    except IndexError:
+        n = data.shape[ax]
+        raise ShapeError(f"gather index out of range [-{n}, {n})") from None
 
 
 register(OpDef("gather", DATA_DEPENDENT, _gather_infer, _gather_ref, arity=(2, 2),
