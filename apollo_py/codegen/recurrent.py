@@ -1,15 +1,15 @@
 """Loop-IR kernel of the ``recurrent`` primitive (ops/recurrent.py): an LSTM/GRU/RNN time loop.
 
-One kernel walks every time step of every direction; per step and batch row it computes the
-recurrent products ``h_{t-1} @ R^T`` (one dot product of length H per gate unit: R's rows are
-contiguous, so the dot is an x-reduce over ``lane_reduce``'s vector lanes) into a scratch
-``gates`` array, then the gate arithmetic of all units, then writes the new state.  The state
-lives in the ``Y_h`` / ``Y_c`` outputs (initialised from ``h0`` / ``c0``), so it stays in L1 for
-small hidden sizes and nothing is allocated per call.
+One kernel walks every time step of every direction; per step it computes the recurrent
+products ``h_{t-1} @ R^T`` (per gate unit, the dot of R's contiguous row with the state of every
+batch row of the block at once, in vector lanes) into a scratch ``gates`` array, then the gate
+arithmetic of all units, then writes the new state.  The state lives in the ``Y_h`` / ``Y_c``
+outputs (initialised from ``h0`` / ``c0``), so it stays in L1 for small hidden sizes and nothing
+is allocated per call.
 
 Parallel loop: ``p`` over (direction, block of ``bs`` batch rows); directions and batch rows are
-independent through time, so chunks need no synchronisation.  Within a block, each R row is read
-once per step and reused from L1 for the block's rows.
+independent through time, so chunks need no synchronisation.  Within a block, each vector of R
+is loaded once per step and used from a register for every row of the block.
 
 Expects float32 or float64 operands (the lowering keeps other dtypes on the numpy reference).
 """
@@ -109,7 +109,7 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
         return [L.Local("n_b", "int64", L.minimum(L.maximum(n, 0), t_len)),
                 L.Local("t_b", "int64", t_expr)]
 
-    def per_row(body, stmts_before=()):
+    def per_row(body):
         """``body`` for each valid row of the block that is still running at step s."""
         return L.for_("bi", 0, bs, [
             L.Local("b", "int64", blk * bs + bi),
