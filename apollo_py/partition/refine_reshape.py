@@ -210,7 +210,8 @@ def _grow(seed: Node, graph: Graph, consts, taken) -> _Region | None:
         return None
     reg.nodes.append(seed)
     inner_reshapes: set = set()
-    has_reduce = crosses = multi_axis = False
+    has_reduce = crosses = False
+    reductions = []
     start = graph.nodes.index(seed)
     for n in graph.nodes[start + 1:]:
         if id(n) in taken or len(n.outputs) != 1 or not any(v in reg.groups for v in n.inputs):
@@ -230,7 +231,7 @@ def _grow(seed: Node, graph: Graph, consts, taken) -> _Region | None:
             reg.groups[out], reg.full[out] = reg.groups[v], tuple(full)
             reg.nodes.append(n)
             has_reduce = True
-            multi_axis = multi_axis or sum(1 for a in n.attrs["axes"] if types[v].shape[a] > 1) > 1
+            reductions.append((v, [a for a in n.attrs["axes"] if types[v].shape[a] > 1]))
         elif _elementwise(n.op):
             got = reg.elementwise(n, types)
             if got is None:
@@ -244,9 +245,15 @@ def _grow(seed: Node, graph: Graph, consts, taken) -> _Region | None:
         return None
     if crosses:
         return reg
-    # no reshape back inside: worth it only where a reduction over several axes becomes one
-    # (GroupNormalization-18's [N, G, C/G, H, W] over (2, 3, 4) -> [N*G, C/G*H*W] over 1)
-    return reg if multi_axis and len(reg.refined(consts)) < max(len(types[v].shape) for v in reg.groups) else None
+    # no reshape back inside: worth it only where a reduction over several axes reduces fewer
+    # refined ones (GroupNormalization-18's [N, G, C/G, H, W] over (2, 3, 4) -> [N*G, C/G*H*W]
+    # over 1); a region already refined is left as it is
+    dims = reg.refined(consts)
+    for v, axes in reductions:
+        atoms_r = {k for a in axes for k in reg.groups[v][a]}
+        if len(axes) > sum(1 for d in dims if atoms_r & set(d)):
+            return reg
+    return None
 
 
 def refine_reshapes(graph: Graph, rebuild) -> Graph:

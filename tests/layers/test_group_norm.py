@@ -151,6 +151,7 @@ def test_refine_keeps_outputs_and_leaves_plain_reshapes_alone():
     run_nodes(list(out.nodes), got, out.types)
     for v in ("y", "m"):
         np.testing.assert_allclose(got[v], want[v], rtol=1e-6)
+    assert refine_reshapes(out) is out          # a refined region stays as it is
     plain = [Node("reshape", ("x",), ("g",), {"shape": (2, 4, 96)}), Node("relu", ("g",), ("r",)),
              Node("reshape", ("r",), ("y",), {"shape": (2, 8, 6, 8)})]
     g2 = _graph(plain, {"x": types["x"], "g": types["g"], "r": types["g"], "y": types["x"]}, ("x",), ("y",))
