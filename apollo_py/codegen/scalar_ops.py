@@ -32,8 +32,8 @@ def scalar_op(n, args, dom, odt) -> L.Expr:
         return L.Select(args[0], args[1], args[2])
     if op == "cast":
         return L.Cast(odt, args[0])
-    if op == "copy":
-        return args[0]
+    if op == "copy":     # no operand: a pad's border fill (poly/statements.py _pad_pieces)
+        return args[0] if args else L.as_expr(n.attrs["value"], odt)
     if op == "iota":
         return L.Cast(odt, dom[int(n.attrs["axis"])])
     raise CompileError(f"node {n.label!r} ({n.op}): no loop-IR lowering for scalar op {op!r}")

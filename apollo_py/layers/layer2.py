@@ -128,6 +128,13 @@ def _index_map(m) -> bool:
     return len(m.nodes) == 1 and m.nodes[0].op in ("slice", "transpose")
 
 
+def _pad_map(m) -> bool:
+    """A micro-graph that is one constant-mode pad without cropping: layer 1 writes it as an
+    index map of its producer (the interior) plus fills of the border (poly/statements.py)."""
+    from ..poly.statements import pad_as_index_map
+    return len(m.nodes) == 1 and pad_as_index_map(m.nodes[0])
+
+
 def _kernelable(group, micro_graphs) -> bool:
     """Whether layer 1 may take every micro-graph of ``group`` (elementwise, broadcast,
     reduction, or a lone slice / transpose, which it reads through as an index map)."""
@@ -150,6 +157,9 @@ def absorb_index_maps(groups: list[list[int]], micro_graphs: Sequence,
     * else into the kernel group that produces its input (nothing else reads the input), at
       the producer's position.
 
+    A lone constant-mode pad joins its producer's kernel group the second way only: the
+    producer writes into the interior and the kernel fills the border.
+
     A transpose whose input comes from, or whose result goes to, a matmul / conv stays as it
     is: BLAS folding takes it as a ``trans`` flag or an operand swap (layers/blas_fold.py).
     """
@@ -157,12 +167,21 @@ def absorb_index_maps(groups: list[list[int]], micro_graphs: Sequence,
     outs = set(graph_outputs)
     target: dict[int, tuple] = {}       # index-map group -> (kernel group, "before" | "after")
     for gi, g in enumerate(groups):
-        if len(g) != 1 or not _index_map(micro_graphs[g[0]]):
+        if len(g) != 1:
             continue
         node = micro_graphs[g[0]].nodes[0]
         v, src = node.outputs[0], node.inputs[0]
         rs = readers.get(v, set())
         pi = where.get(src)
+        if _pad_map(micro_graphs[g[0]]):
+            # only after its producer: a kernel reading a tensor that several pieces write
+            # (the padded one) inside the same nest is not supported (nor for concat)
+            if pi is not None and pi not in target and src not in outs and readers.get(src, set()) == {gi} \
+                    and _kernel_group(groups[pi], micro_graphs):
+                target[gi] = (pi, "after")
+            continue
+        if not _index_map(micro_graphs[g[0]]):
+            continue
         if node.op == "transpose" and any(n.op in ("matmul", "conv") for gi2 in (rs | {pi} - {None})
                                           for k in groups[gi2] for n in micro_graphs[k].nodes):
             continue        # next to a matmul: BLAS folding takes it as a trans flag / swap

@@ -207,7 +207,14 @@ def fold_conv_affine(graph: Graph) -> Graph:
     return fold(graph, _rebuild)
 
 
-PASSES: tuple[Callable[[Graph], Graph], ...] = (fold_constants, fold_conv_affine, simplify_algebra,
+def refine_reshapes(graph: Graph) -> Graph:
+    """Regions split by a reshape (GroupNorm's channel groups) rewritten to one refined shape,
+    so that layer 2 stitches across the reshapes (partition/refine_reshape.py)."""
+    from .refine_reshape import refine_reshapes as refine
+    return refine(graph, _rebuild)
+
+
+PASSES: tuple[Callable[[Graph], Graph], ...] = (fold_constants, fold_conv_affine, simplify_algebra, refine_reshapes,
                                                  eliminate_common_subexpressions, eliminate_dead_code)
 
 

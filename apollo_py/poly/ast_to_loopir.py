@@ -182,7 +182,12 @@ class Emitter:
             pma = isl.PwMultiAff.from_map(g)
             if pma.n_piece() != 1:
                 raise CompileError(f"access {m} of {s.name} is not a single affine function")
-            ma = pma.as_multi_aff()
+            try:
+                ma = pma.as_multi_aff()
+            except isl.Error:   # one piece on a domain gist keeps (a pad's border slab)
+                pieces: list = []
+                pma.foreach_piece(lambda _set, piece: pieces.append(piece))
+                ma = pieces[0]
             self._acc[key] = ma
         out = []
         for j in range(ma.dim(isl.dim_type.out)):

@@ -174,12 +174,11 @@ def build_program(nodes: Sequence[Node], types: Mapping[str, TensorType], inputs
     raw = []          # (node index, node, opdef, Access)
     sizes: set[int] = set()
     for k, n in enumerate(_expand_index_maps(nodes, types)):
-        if isinstance(n, tuple):     # a copy through a concat / slice / transpose index map
-            n, acc = n
-            for t in (types[n.inputs[0]], types[n.outputs[0]]):
-                sizes.update(t.shape)
-            tname(n.inputs[0])
-            tname(n.outputs[0])
+        if isinstance(n, tuple):     # a copy through a concat / slice / transpose / pad index map
+            n, acc = n               # (a pad's border fill reads nothing)
+            for v in (*n.inputs, n.outputs[0]):
+                sizes.update(types[v].shape)
+                tname(v)
             raw.append((k, n, get_op("stop_gradient"), acc))
             continue
         opdef = get_op(n.op, n.label)
@@ -242,7 +241,43 @@ def build_program(nodes: Sequence[Node], types: Mapping[str, TensorType], inputs
 
 
 #: reorganising ops that layer 1 takes as index maps (copy statements, _expand_index_maps)
-INDEX_MAP_OPS = ("concat", "slice", "transpose")
+INDEX_MAP_OPS = ("concat", "slice", "transpose", "pad")
+
+
+def pad_as_index_map(n: Node) -> bool:
+    """Whether layer 1 takes pad node ``n`` as an index map: constant mode, no cropping."""
+    return n.op == "pad" and n.attrs["mode"] == "constant" and all(int(p) >= 0 for p in n.attrs["pads"])
+
+
+def _pad_pieces(n: Node, types: Mapping[str, TensorType]) -> list:
+    """A constant-mode pad as disjoint boxes: one copy of the input into the interior
+    (``Out[i + begin]``) and, per padded dim ``d``, a fill of the slabs before and after the
+    interior along ``d`` (dims before ``d`` restricted to the interior, so no element is
+    written twice).  A fill piece is a ``stop_gradient`` with no input and the pad value in
+    its attrs (codegen/scalar_ops.py writes the constant)."""
+    from ..ops.access import domain_set, ivars, rel
+    from ..ops.registry import Access
+    if not pad_as_index_map(n):
+        raise CompileError(f"node {n.label!r} (pad): layer 1 takes constant-mode pads without cropping only")
+    src, dst = types[n.inputs[0]].shape, types[n.outputs[0]].shape
+    r = len(src)
+    pads = [int(p) for p in n.attrs["pads"]]
+    begin, end = pads[:r], pads[r:]
+    iv = ivars(r)
+    out = [(n.replace(op="stop_gradient", attrs={}, name=f"{n.label}#in"),
+            Access(domain_set(iv, src), rel(iv, "Out", [f"{x} + {b}" if b else x for x, b in zip(iv, begin)]),
+                   (rel(iv, "In0", iv),)))]
+    for d in range(r):
+        for side, lo, hi in (("lo", 0, begin[d]), ("hi", begin[d] + src[d], dst[d])):
+            if hi <= lo:
+                continue
+            cons = [f"{begin[k]} <= {iv[k]} < {begin[k] + src[k]}" if k < d else
+                    f"{lo} <= {iv[k]} < {hi}" if k == d else f"0 <= {iv[k]} < {dst[k]}" for k in range(r)]
+            dom = f"{{ S[{', '.join(iv)}] : {' and '.join(cons)} }}"
+            piece = n.replace(op="stop_gradient", inputs=(), attrs={"value": float(n.attrs["value"])},
+                              name=f"{n.label}#{side}{d}")
+            out.append((piece, Access(dom, rel(iv, "Out", iv), ())))
+    return out
 
 
 def _expand_index_maps(nodes: Sequence[Node], types: Mapping[str, TensorType]) -> list:
@@ -254,6 +289,8 @@ def _expand_index_maps(nodes: Sequence[Node], types: Mapping[str, TensorType]) -
       straight into that slice and its own tensor becomes a scalar;
     * ``slice``: a copy over the output reading ``In0[start + step * i]`` per dim;
     * ``transpose``: a copy over the output reading ``In0`` through the permutation;
+    * ``pad`` (constant mode): a copy into the interior and fills of the border slabs
+      (:func:`_pad_pieces`);
 
     so a consumer in the same micro-graph reads through the map instead of a copied tensor."""
     from ..ops.access import domain_set, ivars, rel
@@ -262,6 +299,9 @@ def _expand_index_maps(nodes: Sequence[Node], types: Mapping[str, TensorType]) -
     for n in nodes:
         if n.op not in INDEX_MAP_OPS:
             out.append(n)
+            continue
+        if n.op == "pad":
+            out.extend(_pad_pieces(n, types))
             continue
         if n.op != "concat":
             src, dst = types[n.inputs[0]].shape, types[n.outputs[0]].shape

@@ -68,9 +68,10 @@ EXPORTED = {
     "l2norm": (1, 1),
     "masked_softmax_where": (1, 1),
     "masked_softmax_add": (1, 1),
-    # reshape (a view) -> one stitched mean/var/normalise kernel -> reshape (a view) -> the
-    # per-channel affine: the affine is on the other side of the reshape, its own kernel
-    "groupnorm": (2, 2),
+    # reshape [N, C, H, W] -> [N, G, C/G*H*W] -> InstanceNorm -> reshape back -> per-channel
+    # affine: the region is refined to [N*G, C/G, H*W] (partition/refine_reshape.py), so the
+    # mean / var / normalise / affine are one kernel (2 before: the affine across the reshape)
+    "groupnorm": (1, 1),
     # four elementwise branches and the concat: one kernel writing each branch into its slice
     "four_branch": (1, 1),
 }
