@@ -190,8 +190,9 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     """Tune ``graph`` (static shapes) on ``feeds`` (default: :func:`random_feeds`) and store the
     decisions in ``options``' tuning database for this machine; see the module docs.
 
-    ``budget``: seconds (default ``options.tune_budget``); rounds that would start past it are
-    skipped (the first and the final measurement always run).  ``repeat``: profiled runs per
+    ``budget``: seconds (default ``options.tune_budget``); a round starts only while the time
+    spent plus the previous round's time is within it (the first and the final measurement
+    always run, so a tuning may overrun its budget by about one round).  ``repeat``: profiled runs per
     round (medians).  ``progress``: a tqdm bar on stderr (None: only on a terminal).
     ``on_round(name, pieces)`` is called before each round.  Returns a :class:`TuneResult`.
     """
@@ -236,7 +237,9 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
             bar.set_postfix_str(f"{label}: {pieces} pieces")
         t0 = time.perf_counter()
         m = measure(decisions)
-        last_round[0] = time.perf_counter() - t0
+        # the estimate of the next round: this one's time (not the first's, which compiled
+        # everything cold and measured the machine)
+        last_round[0] = 0.0 if label == "default" else time.perf_counter() - t0
         result.rounds.append((label, round(last_round[0], 3)))
         if bar is not None:
             bar.update(1)
