@@ -60,7 +60,8 @@ def bench_one(name: str, model, feeds: dict, args) -> dict:
     opts = ap.Options(cache_dir=args.cache_dir, progress=False)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    res = tune(model, options=opts.replace(model_name=name), feeds=feeds, budget=args.budget, progress=False)
+    res = tune(model, options=opts.replace(model_name=name), feeds=feeds, budget=args.budget, repeat=args.repeat,
+               progress=False)
     tune_s = time.perf_counter() - t0
     f_off = ap.jit(model, options=opts.replace(tune="off"))
     f_on = ap.jit(model, options=opts)
@@ -80,7 +81,8 @@ def bench_one(name: str, model, feeds: dict, args) -> dict:
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "pieces": len(res.records), "changed": len(res.changed),
             "changed_kinds": sorted({k.split(":")[0] for k in res.changed}),
-            "tune_s": tune_s, "skipped": res.skipped, "max_rel_diff": rel,
+            "tune_s": tune_s, "skipped": res.skipped, "max_rel_diff": rel, "confirm": res.confirm_ratio,
+            "dropped": len(res.rejected),
             "load": (round(load0, 1), round(os.getloadavg()[0], 1))}
 
 
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=60.0, help="tuning seconds per model")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=9, help="the tuner's profiled runs per round")
     p.add_argument("--only", nargs="*", default=None, help="workloads to run (default: the seven)")
     p.add_argument("--zoo", nargs="*", default=list(ZOO), help="zoo files to run")
     p.add_argument("--no-zoo", action="store_true")
@@ -113,13 +116,14 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.markdown:
-        print("| model | untuned ms | tuned ms | untuned/tuned (min-max) | pieces (changed: kinds) | tuning s "
-              "(skipped rounds) | max rel diff | load |")
-        print("|---|---:|---:|---|---|---|---:|---|")
+        print("| model | untuned ms | tuned ms | untuned/tuned (min-max) | pieces (changed: kinds) | tuner's check "
+              "(dropped) | tuning s (skipped rounds) | max rel diff | load |")
+        print("|---|---:|---:|---|---|---|---|---:|---|")
         for r in rows:
             print(f"| {r['name']} | {r['untuned_ms']:.3f} | {r['tuned_ms']:.3f} | {r['ratio']:.2f} "
                   f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['pieces']} ({r['changed']}: "
-                  f"{', '.join(r['changed_kinds']) or '-'}) | {r['tune_s']:.0f} ({', '.join(r['skipped']) or '-'}) "
+                  f"{', '.join(r['changed_kinds']) or '-'}) | "
+                  f"{'%.2f' % r['confirm'] if r['confirm'] else '-'} ({r['dropped']}) | {r['tune_s']:.0f} ({', '.join(r['skipped']) or '-'}) "
                   f"| {r['max_rel_diff']:.1e} | {r['load'][0]}-{r['load'][1]} |")
     else:
         for r in rows:

@@ -19,7 +19,10 @@ number of pieces.  Pieces and where their time is read:
 A piece takes a candidate only when it is at least ``MIN_GAIN`` faster than its best so far (the
 box may be shared: small differences are noise).  Pieces with the same key (the same block in
 every layer) share one decision and their times add up.  After the rounds a final compile with
-every decision is timed against the first (no decisions) one.  The decisions go to the tuning
+every decision is timed against the first (no decisions) one, and the two executables are run
+interleaved (whole runs, median of 5 rounds): when the tuned one is not faster as a whole
+(a piece's win was noise, or pieces interfere), every decision is dropped and the defaults
+are stored instead.  The decisions go to the tuning
 database (tuning/db.py); each piece's measured, default and predicted (cost model) times to the
 feedback log as ``tuning_result`` events; the median ``measured / predicted`` per step kind to
 ``cost_corrections.json``, which layer 3's cost model reads from then on.
@@ -61,6 +64,8 @@ class TuneResult:
     skipped: list = field(default_factory=list)
     db: str = ""
     plan_steps: list = field(default_factory=list)
+    confirm_ratio: float | None = None      # default / tuned whole-run time, interleaved (> 1: faster)
+    rejected: dict = field(default_factory=dict)    # decisions dropped since the whole was not faster
 
     @property
     def changed(self) -> dict:
@@ -75,7 +80,10 @@ class TuneResult:
             kinds[r["kind"]][1] += bool(r["decision"])
         what = ", ".join(f"{k}: {n} ({c} changed)" for k, (n, c) in sorted(kinds.items()))
         return (f"tuned {self.model}: {self.default_s * 1e3:.3f} ms -> {self.tuned_s * 1e3:.3f} ms per run "
-                f"({self.default_s / self.tuned_s if self.tuned_s else 0:.2f}x); pieces {what or 'none'}; "
+                f"({self.default_s / self.tuned_s if self.tuned_s else 0:.2f}x"
+                + (f"; interleaved check {self.confirm_ratio:.2f}x" if self.confirm_ratio else "")
+                + (f", {len(self.rejected)} decisions dropped" if self.rejected else "")
+                + f"); pieces {what or 'none'}; "
                 f"{len(self.rounds)} rounds" + (f", skipped (budget): {', '.join(self.skipped)}" if self.skipped
                                                  else "") + f"; decisions in {self.db}")
 
@@ -320,6 +328,15 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                     if k in m.runs:
                         note(k, "run", "layer3 separate", m.steps_time(m.runs[k]), {"layer3": "separate"})
         final = run_round("final", decided(), 0)
+        if decided():
+            # confirmation: the default and the tuned executables interleaved, whole runs; a
+            # tuned plan that is not faster as a whole (noise won a piece) is not kept
+            result.confirm_ratio = _ab_ratio(m0.exe, final.exe, feeds, rounds=5, reps=max(3, repeat))
+            if result.confirm_ratio < 1.0:
+                result.rejected = decided()
+                best = {k: {} for k in best}
+                best_s.update(default_s)
+                final = run_round("final", {}, 0)
     finally:
         if bar is not None:
             bar.close()
@@ -341,6 +358,26 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     db.write(result.db, result.records)
     _log(options, result)
     return result
+
+
+def _ab_ratio(a, b, feeds, rounds: int, reps: int) -> float:
+    """Median over ``rounds`` of (median of ``reps`` runs of ``a``) / (the same of ``b``), the
+    order alternating per round (the two are compared under the same load)."""
+    def med(exe):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            exe.run(feeds)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    ratios = []
+    for r in range(rounds):
+        if r % 2:
+            tb, ta = med(b), med(a)
+        else:
+            ta, tb = med(a), med(b)
+        ratios.append(ta / tb)
+    return statistics.median(ratios)
 
 
 def plan_steps(exe) -> list:
