@@ -164,3 +164,39 @@ def test_cli_tune_reports_and_stores(tmp_path, capsys):
                  "--repeat", "2", "--json", "--progress", "off"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["records"] and out["db"] == str(tmp_path / "tuning.json") and os.path.exists(out["db"])
+
+
+def test_options_tune_tunes_on_first_call_then_replays(tmp_path, monkeypatch):
+    opts = _opts(tmp_path, tune="tune", tune_budget=3.0)
+    f = ap.jit(_graph(), options=opts)
+    f.run(**_feeds())
+    assert db.decisions(opts), "the first call at a shape tunes and stores decisions"
+    import apollo_py.tuning.tuner as T
+
+    def fail(*a, **k):
+        raise AssertionError("tuned again although every piece has a decision")
+    monkeypatch.setattr(T, "tune_graph", fail)
+    out = ap.jit(_graph(), options=opts).run(**_feeds())
+    _, want = _exe(_opts(tmp_path, tune="off"))
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cost_corrections_recalibrate_layer3(tmp_path):
+    """A kernel correction factor (measured / predicted) rescales layer 3's cost model: four
+    branches predicted to fill the machine alone at 100 kB/s are grouped once the tuner found
+    kernels a million times faster than that prediction."""
+    b = ap.GraphBuilder("branches")
+    g = b.build([b.reduce_sum(b.exp(b.input(f"x{i}", (1024, 1024))), axes=(1,), keepdims=True) for i in range(4)])
+    xs = {f"x{i}": np.full((1024, 1024), 0.1 * i, np.float32) for i in range(4)}
+    machine = ap.Machine(bandwidth=1e5, peak=50e9, launch=1e-6)
+
+    def groups(**kw):
+        f = ap.jit(g, options=ap.Options(cache_dir=str(tmp_path), machine=machine, **kw))
+        f.run(**xs)
+        exe = f.specialization({k: (1024, 1024) for k in xs})
+        return [len(item) for kind, item in exe._schedule if kind == "kernels"]
+    assert groups() == [1, 1, 1, 1]
+    db.write_corrections(ap.Options(cache_dir=str(tmp_path)), {"kernel": 1e-6}, {"kernel": 4})
+    assert groups() == [4]
+    assert groups(tune="off") == [1, 1, 1, 1]       # "off" ignores the corrections too
