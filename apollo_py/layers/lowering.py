@@ -111,10 +111,11 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
     return steps
 
 
-def lowering_groups(graph: Graph, micro_graphs: Sequence, options: Options, tuned=None):
+def lowering_groups(graph: Graph, micro_graphs: Sequence, options: Options, tuned=None, with_keys: bool = False):
     """``(groups, reads_after, keys)``: the groups of micro-graph indices lowered as one unit
     (layer 2's stitch groups, then lone index maps and concat producers absorbed), the values
-    read after each group, and each group's tuning piece key ("" when ``tuned`` is empty).
+    read after each group, and each group's tuning piece key ("" unless ``tuned`` is not
+    empty or ``with_keys``).
 
     ``tuned`` (piece key -> decision, tuning/db.py) may undo a stitch group (``{"stitch":
     false}`` under its ``stitch:`` key); so may a ``[[no_stitch]]`` overlay entry, in
@@ -141,7 +142,7 @@ def lowering_groups(graph: Graph, micro_graphs: Sequence, options: Options, tune
         acc |= {v for k in group for v in micro_graphs[k].inputs}
     reads_after.reverse()
     keys = [""] * len(groups)
-    if tuned:
+    if tuned or with_keys:
         for gi, g in enumerate(groups):
             nodes = [n for k in g for n in micro_graphs[k].nodes]
             keys[gi] = piece_key("group", nodes, types, _boundary(nodes, graph, reads_after[gi])[1])

@@ -45,7 +45,7 @@ def ensure_tuned(program, shapes: Mapping[str, tuple], options: Options) -> None
     graph = graph_for(program, shapes, options)
     known = db.decisions(options)
     plan = compile_graph(graph, options.replace(tune="replay")).plan
-    _, _, keys = lowering_groups(plan.graph, plan.micro_graphs, options, known or {"": {}})
+    _, _, keys = lowering_groups(plan.graph, plan.micro_graphs, options, known, with_keys=True)
     if keys and all(k in known for k in keys):
         return
     if not options.model_name:

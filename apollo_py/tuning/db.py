@@ -92,9 +92,9 @@ def _section(path: str, stamp: tuple, key: str) -> tuple:
 
 def decisions(options) -> dict[str, dict]:
     """Piece key -> decision stored for this machine in ``options``' database; empty when
-    ``options.tune == "off"``, without a database, or when it has no section for this machine.
+    ``options.tune == "off"``, for targets other than "cpu", without a database, or when it has no section for this machine.
     Re-read when the file's mtime or size changes."""
-    if options.tune == "off":
+    if options.tune == "off" or options.target != "cpu":     # decisions are timed on the CPU target
         return {}
     path = db_path(options)
     try:

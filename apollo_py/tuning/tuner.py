@@ -105,7 +105,7 @@ class _Measurement:
                 self.step_s[i] += d.seconds * wi / sum(w)
         self.step_mgs = [set(getattr(s, "micro_graphs", ()) or ()) for s in plan.kernels]
         tuned = db.decisions(options)
-        groups, _, keys = lowering_groups(self.graph, self.mgs, options, tuned or {"": {}})
+        groups, _, keys = lowering_groups(self.graph, self.mgs, options, tuned, with_keys=True)
         self.groups = dict(zip(keys, groups))
         self.stitches = {stitch_key(g, self.mgs, types): g for g in stitch_groups(self.mgs, types) if len(g) > 1}
         from ..runtime.cpu import KernelStep

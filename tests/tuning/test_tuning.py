@@ -69,7 +69,7 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     kinds = {r["kind"] for r in pieces.values()}
     assert {"stitch", "group", "kernel"} <= kinds, kinds
     exe, _ = _exe(opts.replace(tune="off"))
-    _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, {"": {}})
+    _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, {}, with_keys=True)
     assert set(keys) <= set(pieces)     # every lowering group has a stored decision
     for r in pieces.values():
         assert r["tuned_s"] <= r["default_s"] + 1e-12 and "candidates" in r
