@@ -81,7 +81,7 @@ def bench_one(name: str, model, feeds: dict, args) -> dict:
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "pieces": len(res.records), "changed": len(res.changed),
             "changed_kinds": sorted({k.split(":")[0] for k in res.changed}),
-            "tune_s": tune_s, "skipped": res.skipped, "max_rel_diff": rel, "confirm": res.confirm_ratio,
+            "tune_s": tune_s, "skipped": res.skipped, "max_rel_diff": rel, "confirm": res.confirm_ratio, "slower_rounds": res.slower_rounds,
             "dropped": len(res.rejected),
             "load": (round(load0, 1), round(os.getloadavg()[0], 1))}
 

@@ -17,7 +17,9 @@ number of pieces.  Pieces and where their time is read:
   (``{"layer3": "separate"}``).
 
 A piece takes a candidate only when it is at least ``MIN_GAIN`` faster than its best so far (the
-box may be shared: small differences are noise).  Pieces with the same key (the same block in
+box may be shared: small differences are noise), and only from a round whose whole run is not
+``MIN_GAIN`` slower than the last reference round's (a piece can win by slowing the others
+down: OpenBLAS's threads spin after a BLAS call and take the cores from the next kernels).  Pieces with the same key (the same block in
 every layer) share one decision and their times add up.  After the rounds a final compile with
 every decision is timed against the first (no decisions) one, and the two executables are run
 interleaved (whole runs, median of 5 rounds): when the tuned one is not faster as a whole
@@ -66,6 +68,7 @@ class TuneResult:
     plan_steps: list = field(default_factory=list)
     confirm_ratio: float | None = None      # default / tuned whole-run time, interleaved (> 1: faster)
     rejected: dict = field(default_factory=dict)    # decisions dropped since the whole was not faster
+    slower_rounds: list = field(default_factory=list)   # rounds whose whole run was slower: not used
 
     @property
     def changed(self) -> dict:
@@ -233,6 +236,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     bar = _bar(8 + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES), name, progress if progress is not None
                else options.progress)
     last_round = [0.0]
+    ref_total = [float("inf")]     # whole-run time of the last reference round
 
     def run_round(label: str, decisions: dict, pieces: int) -> _Measurement | None:
         elapsed = time.perf_counter() - t_start
@@ -251,6 +255,14 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         result.rounds.append((label, round(last_round[0], 3)))
         if bar is not None:
             bar.update(1)
+        if label in ("default", "rebaseline", "final"):
+            ref_total[0] = m.total
+        elif m.total > ref_total[0] * (1 + MIN_GAIN):
+            # the round is slower as a whole: a piece's own time may have improved while it
+            # slowed the others down (OpenBLAS threads spinning after a BLAS call), so no piece
+            # takes this round's candidate
+            result.slower_rounds.append(label)
+            return None
         return m
 
     def note(key: str, kind: str, label: str, seconds: float, decision: dict, base: float | None = None):
