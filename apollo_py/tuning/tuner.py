@@ -50,6 +50,12 @@ MIN_GAIN = 0.05
 TILE_CANDIDATES = ((16,), (64,), (8, 64))
 #: chunk counts tried for every parallel kernel
 PARTS_CANDIDATES = (1, 2, 4)
+#: whether a generated GEMM may be flipped to BLAS (BLAS -> generated is always tried).  Off:
+#: on the shared 2-core box DLRM's two flipped GEMMs measured faster in the tuner's process
+#: (55 vs 68 us), while in a process that also ran generated GEMMs on apollo's pool each
+#: OpenBLAS call took 135-210 ms (its threads spin and yield; load 15), the model 40x slower --
+#: a hazard a per-process measurement does not see (layers/gemm_lowering.py has the same story)
+TRY_BLAS = False
 
 
 @dataclass
@@ -297,7 +303,8 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
             note(k, "group", "default", base.mg_time(g), {})
         # BLAS vs generated GEMM, per float32 matmul group
         flips = {k: {"gemm": "blas" if base.group_uses_gemm(g) == "generated" else "generated"}
-                 for k, g in groups.items() if base.group_uses_gemm(g)}
+                 for k, g in groups.items() if base.group_uses_gemm(g) == "blas"
+                 or (TRY_BLAS and base.group_uses_gemm(g) == "generated")}
         if flips:
             m = run_round("gemm flip", {**decided(), **flips}, len(flips))
             if m is not None:
