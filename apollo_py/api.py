@@ -131,6 +131,9 @@ class CompiledGraph:
             if exe is None:
                 from .frontend.staged import compile_program
                 try:
+                    if self.options.tune == "tune":     # time the pieces the database lacks first
+                        from .tuning import ensure_tuned
+                        ensure_tuned(self.program, dict(zip(self.input_names, key)), self.options)
                     exe = compile_program(self.program, dict(zip(self.input_names, key)), self.options)
                     with self._lock:
                         self._cache[key] = exe

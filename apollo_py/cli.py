@@ -1,4 +1,4 @@
-"""Command-line interface: ``apollo-py explain|run|compile|bench|cache|feedback|machine``.
+"""Command-line interface: ``apollo-py explain|run|compile|bench|tune|cache|feedback|machine``.
 
 ``feedback apply`` writes the refusals of the log into the rule overlay
 ``<cache-dir>/rules_overlay.toml`` (or ``--overlay``), which later compiles of this CLI read.
@@ -189,6 +189,29 @@ def _cmd_bench(args, opts):
               f"= {prof.total_seconds / ort_s:.2f}x")
 
 
+def _cmd_tune(args, opts):
+    """Time candidate decisions per piece and store the winners (apollo_py/tuning/)."""
+    from .tuning import tune
+    shapes = parse_shapes(args.shape)
+    feeds = None
+    if args.input:
+        from .api import jit
+        feeds = _bench_feeds(jit(args.model, options=opts.replace(tune="off"), input_shapes=shapes or None),
+                             shapes, args.input)
+    if args.db:
+        opts = opts.replace(tune_db=args.db)
+    res = tune(args.model, options=opts, input_shapes=shapes or None, feeds=feeds, budget=args.budget,
+               repeat=args.repeat, progress=None if args.progress is None else args.progress == "on")
+    if args.json:
+        print(json.dumps({"model": res.model, "default_s": res.default_s, "tuned_s": res.tuned_s, "db": res.db,
+                          "rounds": res.rounds, "skipped": res.skipped, "records": res.records}, indent=1))
+        return
+    print(res.summary())
+    for k, r in sorted(res.records.items()):
+        if r["decision"]:
+            print(f"  {k}: {json.dumps(r['decision'])}  {r['default_s'] * 1e3:.4f} -> {r['tuned_s'] * 1e3:.4f} ms")
+
+
 def _cmd_cache(args, opts):
     from .cache import PieceCache
     cache = PieceCache(opts.cache_dir)
@@ -285,6 +308,19 @@ def main(argv=None) -> int:
     bn.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="use this array for an input")
     bn.add_argument("--repeat", type=int, default=20)
     bn.add_argument("--json", action="store_true")
+    tu = sub.add_parser("tune", help="time candidate decisions per piece (tiles, chunks, stitching, BLAS vs "
+                                     "generated GEMM, layer-3 grouping) and store the winners for this machine")
+    tu.add_argument("model")
+    tu.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                    help="shape of an input with symbolic dims (random inputs of these shapes)")
+    tu.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="use this array for an input")
+    tu.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="time budget for the model (default Options.tune_budget, 60 s)")
+    tu.add_argument("--repeat", type=int, default=7, help="profiled runs per candidate round (medians)")
+    tu.add_argument("--db", default=None, help="tuning database (default <cache-dir>/tuning.json)")
+    tu.add_argument("--progress", choices=["on", "off"], default=None,
+                    help="progress bar on stderr (default: when stderr is a terminal)")
+    tu.add_argument("--json", action="store_true")
     c = sub.add_parser("cache", help="inspect or clear the piecewise JIT cache")
     c.add_argument("action", choices=["info", "clear"])
     fb = sub.add_parser("feedback", help="rule-feedback reports")
@@ -303,7 +339,8 @@ def main(argv=None) -> int:
     mc.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     handlers = {"explain": _cmd_explain, "run": _cmd_run, "compile": _cmd_compile, "cache": _cmd_cache,
-                "feedback": _cmd_feedback, "machine": _cmd_machine, "bench": _cmd_bench}
+                "feedback": _cmd_feedback, "machine": _cmd_machine, "bench": _cmd_bench,
+                "tune": _cmd_tune}
     try:
         opts = Options()
         target = getattr(args, "sub_target", None) or args.target

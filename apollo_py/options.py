@@ -22,6 +22,8 @@ def _default_cache_dir() -> str:
 TARGETS = ("cpu", "reference", "cuda", "cuda-emu")
 #: valid ``Options.gemm`` values
 GEMM_CHOICES = ("auto", "generated", "blas")
+#: valid ``Options.tune`` values (apollo_py/tuning/: stored per-piece decisions)
+TUNE_CHOICES = ("off", "replay", "tune")
 
 
 def _default_max_memory() -> int | None:
@@ -100,6 +102,9 @@ class Options:
     machine: object = None
     max_memory: int | None = field(default_factory=_default_max_memory)
     compile_timeout: float | None = None
+    tune: str = "replay"
+    tune_db: str | None = None
+    tune_budget: float = 60.0
 
     def __post_init__(self):
         """Reject invalid fields here, with an OptionsError naming the field, so that a typo
@@ -111,6 +116,10 @@ class Options:
 
         if self.target not in TARGETS:
             bad("target", f"one of {list(TARGETS)}")
+        if self.tune not in TUNE_CHOICES:
+            bad("tune", f"one of {list(TUNE_CHOICES)}")
+        if not (_is_real(self.tune_budget) and self.tune_budget > 0):
+            bad("tune_budget", "a number of seconds > 0")
         if self.gemm not in GEMM_CHOICES:
             bad("gemm", f"one of {list(GEMM_CHOICES)}")
         if not _is_int(self.schedule_budget) or self.schedule_budget < 1:
@@ -128,7 +137,7 @@ class Options:
             bad("tile_sizes", "None or a tuple of ints >= 1")
         if not isinstance(self.cache_dir, (str, os.PathLike)):
             bad("cache_dir", "a path")
-        for name in ("rules_overlay", "feedback_path"):
+        for name in ("rules_overlay", "feedback_path", "tune_db"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
                 bad(name, "None or a path")
         if self.progress is not None and not isinstance(self.progress, bool):

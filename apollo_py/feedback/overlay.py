@@ -12,9 +12,13 @@ Versions: the overlay's ``revision`` counts the writes; every revision written i
 ``<overlay>.versions/<revision>.toml``, and :func:`revert` puts one of them back.  A pattern
 already in the overlay is left as it is (applying the same log twice changes nothing).
 
-Entries the log cannot justify are not proposed: ``stitch_rejected`` and ``parallel_rejected``
-are layer-2/3 cost decisions taken again at every compile, and a ``[[disable_for]]`` entry needs
-the aggregation rule that built the pattern, which the log does not record.
+Layer-2/3 refusals become entries too: a ``stitch_rejected`` signature (a stitch group layer 1
+could not fuse into one kernel) a ``[[no_stitch]]`` entry -- the next compile lowers that group
+as its fallback did (the longest stitchable prefix, then the rest) without asking layer 1 for
+the whole -- and a ``parallel_rejected`` combination (kernel names joined by ``+``) a
+``[[no_parallel]]`` entry, which layer 3 passes over without estimating or logging it again.  A
+``[[disable_for]]`` entry needs the aggregation rule that built the pattern, which the log does
+not record, so it is not proposed.
 """
 from __future__ import annotations
 
@@ -35,8 +39,13 @@ from .log import read_events
 
 #: events whose pattern the overlay splits up front
 SPLIT_EVENTS = ("schedule_budget_exceeded", "multiple_fusion_groups")
+#: the overlay table each event's entries go to (partition/rules.py)
+TABLES = {"schedule_budget_exceeded": "split", "multiple_fusion_groups": "split",
+          "stitch_rejected": "no_stitch", "parallel_rejected": "no_parallel"}
 _REASONS = {"schedule_budget_exceeded": "over the isl scheduling budget",
-            "multiple_fusion_groups": "isl found no single fusion group"}
+            "multiple_fusion_groups": "isl found no single fusion group",
+            "stitch_rejected": "layer 1 gave more than one kernel for the stitch group",
+            "parallel_rejected": "layer 3's estimated gain was below its threshold"}
 
 
 @dataclass
@@ -60,10 +69,11 @@ def _stamp(t: float) -> str:
 
 
 def proposals(events: list[dict], now: float | None = None) -> list[dict]:
-    """One ``[[split]]`` entry per (refusal event, signature) in ``events``, most frequent first."""
+    """One entry per (refusal event, signature) in ``events``, most frequent first; its table
+    is ``TABLES[entry["event"]]``."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for e in events:
-        if e.get("event") in SPLIT_EVENTS and e.get("signature"):
+        if e.get("event") in TABLES and e.get("signature"):
             groups.setdefault((e["event"], e["signature"]), []).append(e)
     date = _stamp(time.time() if now is None else now)
     out = []
@@ -122,15 +132,23 @@ def apply(log: str, overlay: str, *, dry_run: bool = False, now: float | None = 
     if not os.path.exists(log):
         raise FeedbackError(f"feedback log {log!r} does not exist")
     doc, old_text = _read_overlay(overlay)
-    have = {e.get("signature") for e in doc.get("split", [])}
-    added = [p for p in proposals(read_events(log), now) if p["signature"] not in have]
+    have = {(t, e.get("signature")) for t in set(TABLES.values()) for e in doc.get(t, [])}
+    added, seen = [], set()
+    for p in proposals(read_events(log), now):
+        key = (TABLES[p["event"]], p["signature"])
+        if key not in have and key not in seen:     # two split events of one signature: one entry
+            seen.add(key)
+            added.append(p)
     if not added:
         return ApplyResult(overlay, None, [], "")
     revision = max([int(doc.get("revision", 0))] + _revisions(overlay)) + 1
     new = dict(doc)
     new["version"] = doc.get("version", 1)
     new["revision"] = revision
-    new["split"] = list(doc.get("split", [])) + added
+    for table in dict.fromkeys(TABLES.values()):
+        entries = [p for p in added if TABLES[p["event"]] == table]
+        if entries:
+            new[table] = list(doc.get(table, [])) + entries
     text = _dumps(new)
     result = ApplyResult(overlay, None if dry_run else revision, added, _diff(old_text, text, overlay))
     if not dry_run:

@@ -55,7 +55,7 @@ INLINE_BYTES = 1024
 #: folded constants above this total are not stored (such a model compiles without the cache)
 MAX_SIDE_BYTES = 1 << 30
 #: Options fields that do not change what a compile produces
-_IGNORED = ("cache_dir", "progress", "feedback_path", "model_name")
+_IGNORED = ("cache_dir", "progress", "feedback_path", "model_name", "tune_budget")
 
 #: what this process's model cache did (tests pin a warm compile by these)
 STATS = {"hits": 0, "misses": 0, "saves": 0, "parses": 0}
@@ -199,6 +199,12 @@ def options_doc(options) -> dict:
                 doc["overlay_content"] = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             doc["overlay_content"] = "unreadable"
+    from ..tuning.db import corrections, digest
+    tuned = digest(options)     # the tuning database's decisions for this machine (tuning/db.py)
+    if tuned:
+        doc["tuning"] = tuned
+    if corrections(options):
+        doc["cost_corrections"] = repr(sorted(corrections(options).items()))
     if options.machine is not None:
         doc["machine_figures"] = repr(sorted(resolve_machine(options).figures().items()))
     else:

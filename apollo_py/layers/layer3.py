@@ -51,12 +51,15 @@ def _levels(kernels: Sequence) -> list[int]:
 
 
 def stitch_parallel(kernels: Sequence, machine: Machine, policy: ParallelPolicy = ParallelPolicy(),
-                    on_reject: Callable[[list, float], None] | None = None) -> list[tuple]:
+                    on_reject: Callable[[list, float], None] | None = None,
+                    refused: frozenset = frozenset()) -> list[tuple]:
     """Group independent, small, memory-bound kernels; returns groups in execution order.
 
     ``kernels`` must be topologically ordered.  Kernels at the same DAG depth are independent
     (no path between them).  ``on_reject(combo, gain)`` is called for every combination tried
-    and rejected, so the feedback log sees it.
+    and rejected, so the feedback log sees it.  ``refused``: combinations (kernel names joined
+    by ``+``, as the ``parallel_rejected`` event names them) that a ``[[no_parallel]]`` rule
+    overlay entry refuses: passed over without estimating or logging them again.
     """
     depth = _levels(kernels)
     threshold = machine.launch if policy.min_gain is None else policy.min_gain
@@ -73,6 +76,9 @@ def stitch_parallel(kernels: Sequence, machine: Machine, policy: ParallelPolicy 
             k = min(len(cands), policy.max_group)
             while k > 1:
                 combo = cands[:k]
+                if refused and "+".join(c.name for c in combo) in refused:
+                    k -= 1
+                    continue
                 costs = [cost[id(c)] for c in combo]
                 gain = sum(costs) - max(costs)
                 if gain >= threshold:

@@ -45,25 +45,26 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
     ``progress`` (a :class:`apollo_py.progress.Progress` or None) counts micro-graphs done.
     """
     types = graph.types
-    groups = absorb_index_maps(stitch_groups(micro_graphs, types), micro_graphs, graph.outputs)
-    groups = absorb_concats(groups, micro_graphs, graph.outputs)
-    # values read after each group, in the groups' order (the absorb passes move index maps
-    # and concat producers, so micro-graph order no longer says what is read later)
-    reads_after: list[set] = []
-    acc: set = set(graph.outputs)
-    for group in reversed(groups):
-        reads_after.append(set(acc))
-        acc |= {v for k in group for v in micro_graphs[k].inputs}
-    reads_after.reverse()
+    from ..tuning.db import decisions as tuning_decisions
+    tuned = tuning_decisions(options)       # {} unless a tuning database has this machine's entries
+    groups, reads_after, keys = lowering_groups(graph, micro_graphs, options, tuned)
 
     from ..deadline import check as check_deadline
     steps: list[StepSpec] = []
+    base_options = options
     for gi, group in enumerate(groups):
         check_deadline("layer 1 fusion", lambda: _micro_graph_label(micro_graphs, group))
         if progress is not None:
             progress.step(len(group))
         members = [micro_graphs[k] for k in group]
         later = reads_after[gi]
+        options = base_options
+        decision = tuned.get(keys[gi]) if tuned else None
+        if decision:        # the tuning database's choices for this piece (tuning/db.py)
+            if "tiles" in decision:
+                options = options.replace(tile_sizes=tuple(decision["tiles"]) or None)
+            if decision.get("gemm") in ("blas", "generated"):
+                options = options.replace(gemm=decision["gemm"])
         nodes = [n for m in members for n in m.nodes]
         first = members[0]
         why = _no_kernel_reason(nodes, types)
@@ -113,6 +114,50 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
         ins, outs = _boundary(nodes, graph, later)
         steps.extend(_fuse(nodes, ins, outs, graph, options, tuple(group), members))
     return steps
+
+
+def lowering_groups(graph: Graph, micro_graphs: Sequence, options: Options, tuned=None, with_keys: bool = False):
+    """``(groups, reads_after, keys)``: the groups of micro-graph indices lowered as one unit
+    (layer 2's stitch groups, then lone index maps and concat producers absorbed), the values
+    read after each group, and each group's tuning piece key ("" unless ``tuned`` is not
+    empty or ``with_keys``).
+
+    ``tuned`` (piece key -> decision, tuning/db.py) may undo a stitch group (``{"stitch":
+    false}`` under its ``stitch:`` key); so may a ``[[no_stitch]]`` overlay entry, in
+    :func:`_fuse`.  The tuner (tuning/tuner.py) calls this to find the pieces it times."""
+    from ..tuning.db import piece_key
+    types = graph.types
+    groups = stitch_groups(micro_graphs, types)
+    if tuned:
+        split = []
+        for g in groups:
+            if len(g) > 1 and (tuned.get(stitch_key(g, micro_graphs, types)) or {}).get("stitch") is False:
+                split.extend([k] for k in g)
+            else:
+                split.append(g)
+        groups = split
+    groups = absorb_index_maps(groups, micro_graphs, graph.outputs)
+    groups = absorb_concats(groups, micro_graphs, graph.outputs)
+    # values read after each group, in the groups' order (the absorb passes move index maps
+    # and concat producers, so micro-graph order no longer says what is read later)
+    reads_after: list[set] = []
+    acc: set = set(graph.outputs)
+    for group in reversed(groups):
+        reads_after.append(set(acc))
+        acc |= {v for k in group for v in micro_graphs[k].inputs}
+    reads_after.reverse()
+    keys = [""] * len(groups)
+    if tuned or with_keys:
+        for gi, g in enumerate(groups):
+            nodes = [n for k in g for n in micro_graphs[k].nodes]
+            keys[gi] = piece_key("group", nodes, types, _boundary(nodes, graph, reads_after[gi])[1])
+    return groups, reads_after, keys
+
+
+def stitch_key(group, micro_graphs, types) -> str:
+    """Tuning piece key of a layer-2 stitch group (its micro-graphs' nodes)."""
+    from ..tuning.db import piece_key
+    return piece_key("stitch", [n for k in group for n in micro_graphs[k].nodes], types)
 
 
 def _micro_graph_label(micro_graphs, group) -> str:
@@ -217,15 +262,25 @@ def _fuse(nodes, ins, outs, graph, options, group, members) -> list[StepSpec]:
         inlined = {n.outputs[0] for n in scalars}
         nodes = [*scalars, *(n for n in nodes if n.op != "constant" or n.outputs[0] not in inlined)]
         ins = tuple(v for v in ins if v not in inlined)
-    try:
-        fused = fuse_nodes(list(nodes), types, list(ins), list(outs), options)  # memoised layer 1
-    except CompileError as e:
-        fused, err = None, str(e)
-    if fused is not None and len(members) > 1 and len(fused) > 1:
+    refused = False
+    if len(members) > 1 and options.rules_overlay:
+        # a [[no_stitch]] overlay entry: layer 1 refused this stitch before (feedback apply)
+        from ..partition.rules import overlay_signatures
+        from .layer1 import signature_of
+        refused = signature_of(list(nodes), types) in overlay_signatures(options.rules_overlay, "no_stitch")
+    fused, err = None, ""
+    if not refused:
+        try:
+            fused = fuse_nodes(list(nodes), types, list(ins), list(outs), options)  # memoised layer 1
+        except CompileError as e:
+            fused, err = None, str(e)
+    if refused or (fused is not None and len(members) > 1 and len(fused) > 1):
         # the stitch did not give one kernel: log it, then stitch the longest prefix that does
         from .layer1 import log_refusal, signature_of
-        log_refusal(options, "stitch_rejected", signature_of(list(nodes), types), types, list(ins) + list(outs), 0.0,
-             f"layer 1 gave {len(fused)} kernels for {len(members)} stitched micro-graphs")
+        if not refused:
+            log_refusal(options, "stitch_rejected", signature_of(list(nodes), types), types,
+                        list(ins) + list(outs), 0.0,
+                        f"layer 1 gave {len(fused)} kernels for {len(members)} stitched micro-graphs")
         cut = len(members) - 1
         head, tail = members[:cut], members[cut:]
         head_reads = {v for m in tail for v in m.inputs} | set(outs)

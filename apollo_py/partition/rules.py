@@ -20,6 +20,10 @@ The base table ships in ``apollo_py/partition/rules.toml``.  A user overlay (TOM
     reason = "schedule_budget_exceeded 3x (budget 50 isl ops)"
     date = "2026-11-25T00:10:00Z"
     evidence = { events = 3, mean_ms = 1.2, models = ["bert"] }
+    [[no_stitch]]                         # layer 2: do not try this stitch (layer 1 refused it)
+    signature = "reduce_max:red(0) sub:ew(...) ..."
+    [[no_parallel]]                       # layer 3: never run these kernels as one launch
+    signature = "fused_ab12_0+fused_cd34_0"
 
 ``revision`` (an integer) numbers the overlays written by ``apollo-py feedback apply``; a
 ``split`` signature is the pattern signature layer 1 logged (its node list, which may be a part
@@ -81,10 +85,11 @@ OVERLAY_SCHEMA = {
             "type": "object", "required": ["rule", "signature"], "additionalProperties": False,
             "properties": {"rule": {"type": "string"}, "signature": {"type": "string", "minLength": 1},
                            "reason": {}, "date": {}, "evidence": {}}}},
-        "split": {"type": "array", "items": {
+        **{name: {"type": "array", "items": {
             "type": "object", "required": ["signature"], "additionalProperties": False,
             "properties": {"signature": {"type": "string", "minLength": 1}, "event": {"type": "string"},
-                           "reason": {}, "date": {}, "evidence": {}}}}}}
+                           "reason": {}, "date": {}, "evidence": {}}}}
+           for name in ("split", "no_stitch", "no_parallel")}}}
 
 
 def _check_schema(doc: Any, schema: dict, where: str) -> None:
@@ -245,22 +250,28 @@ def apply_overlay(table: RuleTable, path: str) -> RuleTable:
 
 
 @lru_cache(maxsize=16)
-def _splits(path: str, stamp: tuple) -> frozenset[str]:
+def _entries(path: str, stamp: tuple, table: str) -> frozenset[str]:
     doc = _read_toml(path)
     _check_schema(doc, OVERLAY_SCHEMA, f"overlay {path!r}")
-    return frozenset(e["signature"] for e in doc.get("split", []))
+    return frozenset(e["signature"] for e in doc.get(table, []))
 
 
-def split_signatures(overlay: str | None) -> frozenset[str]:
-    """The ``[[split]]`` signatures of the overlay at ``overlay`` (none without one); re-read
-    when the file's mtime or size changes, so an overlay rewritten by ``feedback apply`` counts."""
+def overlay_signatures(overlay: str | None, table: str) -> frozenset[str]:
+    """The signatures of the overlay's ``[[table]]`` entries (``split``, ``no_stitch``,
+    ``no_parallel``; none without an overlay); re-read when the file's mtime or size changes,
+    so an overlay rewritten by ``feedback apply`` counts."""
     if not overlay:
         return frozenset()
     try:
         st = os.stat(overlay)
     except OSError:
         raise RuleError(f"rule file {overlay!r} does not exist") from None
-    return _splits(overlay, (st.st_mtime_ns, st.st_size))
+    return _entries(overlay, (st.st_mtime_ns, st.st_size), table)
+
+
+def split_signatures(overlay: str | None) -> frozenset[str]:
+    """The ``[[split]]`` signatures of the overlay at ``overlay`` (see :func:`overlay_signatures`)."""
+    return overlay_signatures(overlay, "split")
 
 
 _SIG_OP = re.compile(r"(?:^|\s)([A-Za-z_][\w.]*):")

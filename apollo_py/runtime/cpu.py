@@ -34,6 +34,7 @@ class KernelStep:
     param_values: tuple
     inputs: tuple
     outputs: tuple
+    parts: int | None = None    # chunks of the parallel loop a tuning decision fixed (None: _parts)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class CpuExecutable:
         self._trace = threading.local()
         self._pool = thread_pool(num_threads)
         self.plan = plan
+        self._tuned, self._kernel_keys = _apply_tuning(self.steps, graph, options)
         self._schedule = self._dispatch_schedule()
         if plan is not None and hasattr(plan, "launches"):     # str(plan) shows layer 3's groups
             index = {id(s): k for k, s in enumerate(self.steps)}
@@ -142,8 +144,12 @@ class CpuExecutable:
         out: list = []
         group: list = []
 
+        self.runs = []      # runs of independent kernel steps layer 3 saw (the tuner times them)
+
         def flush():
-            for g in _layer3_groups(group, self.machine, self._options):
+            if len(group) > 1:
+                self.runs.append(list(group))
+            for g in _layer3_groups(group, self.machine, self._options, self._kernel_keys, self._tuned):
                 if len(g) > 1 and sum(_bytes(k, self.machine) for k in g) < self.machine.inline_bytes:
                     # too small to be worth waking the pool: each runs inline, one after another
                     out.extend(("kernels", [k]) for k in g)
@@ -334,15 +340,50 @@ class _Layer3Kernel:
         self.compute_bound = machine.is_compute_bound(self.bytes, self.flops)
 
 
-def _layer3_groups(run: list, machine, options=None) -> list:
+def _apply_tuning(steps, graph, options) -> tuple[dict, dict]:
+    """(decisions, kernel step id -> piece key): the tuning database's decisions for this
+    machine (tuning/db.py), with each kernel step's ``parts`` set where one is stored."""
+    if options is None:
+        return {}, {}
+    from ..tuning.db import decisions, kernel_key
+    tuned = decisions(options)
+    if not tuned:
+        return {}, {}
+    keys = {}
+    for s in steps:
+        if isinstance(s, KernelStep) and s.fused is not None:
+            keys[id(s)] = k = kernel_key(s.fused, graph.types)
+            d = tuned.get(k)
+            if d and isinstance(d.get("parts"), int) and d["parts"] >= 1:
+                s.parts = d["parts"]
+    return tuned, keys
+
+
+def _layer3_groups(run: list, machine, options=None, keys=None, tuned=None) -> list:
     """Split a run of mutually independent kernel steps into layer 3's parallel groups.
 
     With ``options``, every combination layer 3 tries and rejects is logged as a
-    ``parallel_rejected`` feedback event (kernel names, bytes, estimated gain).
+    ``parallel_rejected`` feedback event (kernel names, bytes, estimated gain); combinations a
+    ``[[no_parallel]]`` overlay entry names are refused without a new event.  A tuning decision
+    ``{"layer3": "separate"}`` for the run (``tuned``, by the run key of the members' ``keys``)
+    runs every member on its own; the tuner's ``kernel`` cost correction scales the figures.
     """
     if len(run) < 2:
         return [run] if run else []
     from ..layers.layer3 import stitch_parallel
+    if tuned and keys:
+        from ..tuning.db import run_key
+        if (tuned.get(run_key([keys.get(id(s), "") for s in run])) or {}).get("layer3") == "separate":
+            return [[s] for s in run]
+    refused: frozenset = frozenset()
+    if options is not None:
+        from ..tuning.db import corrections
+        f = corrections(options).get("kernel")
+        if f:       # measured / predicted kernel time on this machine: the same roofline, rescaled
+            machine = machine.replace(bandwidth=machine.bandwidth / f, peak=machine.peak / f)
+        if options.rules_overlay:
+            from ..partition.rules import overlay_signatures
+            refused = overlay_signatures(options.rules_overlay, "no_parallel")
     on_reject = None
     if options is not None:
         from ..feedback.log import log_event
@@ -355,7 +396,8 @@ def _layer3_groups(run: list, machine, options=None) -> list:
                                   "reason": "estimated gain below the policy threshold"})
             except OSError:     # the log is advisory: never fail a compile for it
                 pass
-    groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine, on_reject=on_reject)
+    groups = stitch_parallel([_Layer3Kernel(s, machine) for s in run], machine, on_reject=on_reject,
+                             **({"refused": refused} if refused else {}))
     return [[k.step for k in g] for g in groups]
 
 
@@ -368,8 +410,12 @@ def _parts(step, machine) -> int:
     """How many chunks a kernel step's parallel loop is worth on ``machine`` (1 = run it
     inline: it moves less than ``machine.inline_bytes``; else chunks of ``chunk_bytes``)."""
     ext = step.compiled.parallel_extent
+    if ext is None or ext <= 1:
+        return 1
+    if step.parts is not None:      # a tuning decision (tuning/db.py)
+        return max(1, min(ext, step.parts))
     nbytes = _bytes(step, machine)
-    if ext is None or ext <= 1 or nbytes < machine.inline_bytes:
+    if nbytes < machine.inline_bytes:
         return 1
     return max(1, min(ext, nbytes // machine.chunk_bytes))
 

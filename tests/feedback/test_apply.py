@@ -52,7 +52,10 @@ def test_apply_splits_up_front_next_compile_logs_no_budget_event(tmp_path):
     assert "+[[split]]" in dry.diff and "+revision = 1" in dry.diff
 
     res = apply(str(log), str(overlay))
-    assert res.revision == 1 and {a["signature"] for a in res.added} == refused
+    assert res.revision == 1 and {a["signature"] for a in res.added if a["event"] == "schedule_budget_exceeded"} \
+        == refused
+    stitched = {e["signature"] for e in read_events(str(log), "stitch_rejected")}   # [[no_stitch]] entries
+    assert {a["signature"] for a in res.added if a["event"] == "stitch_rejected"} == stitched
     doc = tomllib.loads(overlay.read_text())
     assert doc["revision"] == 1
     for entry in doc["split"]:
@@ -114,9 +117,10 @@ def test_revert_restores_a_revision_and_names_the_known_ones(tmp_path):
     log_event(opts, "schedule_budget_exceeded", "exp:ew($0)", time_ms=1.0, detail={"budget": 50}, path=log)
     assert apply(log, overlay).revision == 1
     log_event(opts, "multiple_fusion_groups", "mul:ew($0,$1) tanh:ew(0)", time_ms=2.0, path=log)
-    log_event(opts, "stitch_rejected", "sub:bc($0,$1)", path=log)          # not an overlay entry
+    log_event(opts, "stitch_rejected", "sub:bc($0,$1)", path=log)          # a [[no_stitch]] entry
     res = apply(log, overlay)
-    assert res.revision == 2 and [a["signature"] for a in res.added] == ["mul:ew($0,$1) tanh:ew(0)"]
+    assert res.revision == 2 and sorted(a["signature"] for a in res.added) == ["mul:ew($0,$1) tanh:ew(0)",
+                                                                                "sub:bc($0,$1)"]
     assert split_signatures(overlay) == {"exp:ew($0)", "mul:ew($0,$1) tanh:ew(0)"}
     revert(overlay, 1)
     assert split_signatures(overlay) == {"exp:ew($0)"}

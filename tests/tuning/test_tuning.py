@@ -1,0 +1,202 @@
+"""Auto-tuning with stored decisions (apollo_py/tuning/): the tuner stores per-piece decisions
+for this machine; a later compile (a new process) replays them without timing anything; a
+database of another machine is ignored; decisions never change the numbers."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import apollo_py as ap
+from apollo_py.errors import OptionsError
+from apollo_py.layers.lowering import lowering_groups, stitch_key
+from apollo_py.layers.layer2 import stitch_groups
+from apollo_py.tuning import db, tune
+from apollo_py.tuning.tuner import plan_steps, tune_graph
+
+MACHINE = "dev-2core"       # pinned: the replayed plan's chunking must not depend on a re-measure
+
+
+def _graph():
+    """A softmax (a layer-2 stitch group), a weight matmul with a bias epilogue (BLAS or the
+    generated GEMM) and two independent branches (a layer-3 run)."""
+    rng = np.random.default_rng(0)
+    b = ap.GraphBuilder("tunable")
+    x = b.input("x", (64, 256))
+    w = b.constant(rng.standard_normal((256, 64)).astype(np.float32))
+    m = b.reduce_max(x, axes=(1,), keepdims=True)
+    e = b.exp(x - m)
+    sm = e / b.reduce_sum(e, axes=(1,), keepdims=True)
+    y = b.tanh(b.matmul(sm, w))
+    u = b.input("u", (512, 256))
+    v = b.input("v", (512, 256))
+    return b.build([y, b.reduce_sum(b.exp(u), axes=(1,)), b.reduce_sum(b.sqrt(b.abs(v)), axes=(1,))])
+
+
+def _feeds():
+    rng = np.random.default_rng(1)
+    return {"x": rng.standard_normal((64, 256)).astype(np.float32),
+            "u": rng.standard_normal((512, 256)).astype(np.float32),
+            "v": rng.standard_normal((512, 256)).astype(np.float32)}
+
+
+def _opts(tmp_path, **kw):
+    return ap.Options(cache_dir=str(tmp_path), machine=MACHINE, **kw)
+
+
+def _exe(opts):
+    f = ap.jit(_graph(), options=opts)
+    out = f.run(**_feeds())
+    return f.specialization({k: a.shape for k, a in _feeds().items()}), out
+
+
+def test_options_check_the_tuning_fields():
+    with pytest.raises(OptionsError, match="Options.tune must be one of"):
+        ap.Options(tune="yes")
+    with pytest.raises(OptionsError, match="tune_budget"):
+        ap.Options(tune_budget=0)
+
+
+def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_path):
+    opts = _opts(tmp_path)
+    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=3, progress=False)
+    assert res.tuned_s > 0 and res.default_s > 0 and os.path.exists(res.db)
+    doc = json.load(open(res.db))
+    pieces = doc["machines"][db.machine_key()]["pieces"]
+    assert set(pieces) == set(res.records)
+    kinds = {r["kind"] for r in pieces.values()}
+    assert {"stitch", "group", "kernel"} <= kinds, kinds
+    exe, _ = _exe(opts.replace(tune="off"))
+    _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, {}, with_keys=True)
+    assert set(keys) <= set(pieces)     # every lowering group has a stored decision
+    for r in pieces.values():
+        assert r["tuned_s"] <= r["default_s"] + 1e-12 and "candidates" in r
+    events = [json.loads(line) for line in open(tmp_path / "feedback.jsonl")]
+    tuned_events = [e for e in events if e["event"] == "tuning_result"]
+    assert len(tuned_events) == len(res.records)
+    assert any(e["detail"]["predicted_ms"] for e in tuned_events)
+    assert json.load(open(tmp_path / "cost_corrections.json"))["machines"][db.machine_key()]["factors"]
+    # a new process: every timing function fails, the plan is the tuned one, numbers the untuned ones
+    (tmp_path / "want.json").write_text(json.dumps(res.plan_steps))
+    np.savez(tmp_path / "untuned.npz", *_exe(opts.replace(tune="off"))[1])
+    script = f"""
+import json, sys, numpy as np
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import apollo_py.runtime.profile as P, apollo_py.tuning.tuner as T, apollo_py.machine as M
+def fail(*a, **k):
+    raise AssertionError("timed something while replaying")
+P.profile_executable = T.profile_executable = T.tune_graph = T._Measurement = M.measure_machine = fail
+import test_tuning as t
+exe, out = t._exe(t._opts({str(tmp_path)!r}))
+assert T.plan_steps(exe) == json.load(open({str(tmp_path / 'want.json')!r})), T.plan_steps(exe)
+want = np.load({str(tmp_path / 'untuned.npz')!r})
+for k, a in enumerate(out):
+    np.testing.assert_allclose(a, want[f"arr_{{k}}"], rtol=1e-5, atol=1e-6)
+print("replayed")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "replayed" in r.stdout, r.stderr[-3000:]
+
+
+def _decisions(tmp_path):
+    """Non-default decisions for every kind of piece of the graph (stitch, tiles, GEMM, chunks,
+    layer 3), keyed as the compiler keys them."""
+    exe, _ = _exe(_opts(tmp_path, tune="off"))
+    g, mgs = exe.plan.graph, exe.plan.micro_graphs
+    out = {stitch_key(s, mgs, g.types): {"stitch": False} for s in stitch_groups(mgs, g.types) if len(s) > 1}
+    assert out, "the softmax should be a stitch group"
+    no_stitch = {k: v for k, v in out.items()}
+    groups, _, keys = lowering_groups(g, mgs, _opts(tmp_path), no_stitch)
+    for key, grp in zip(keys, groups):
+        ops = {n.op for k in grp for n in mgs[k].nodes}
+        out[key] = {"gemm": "blas"} if "matmul" in ops else {"tiles": [16]}
+    from apollo_py.runtime.cpu import KernelStep
+    for s in exe.steps:
+        if isinstance(s, KernelStep) and (s.compiled.parallel_extent or 0) > 1:
+            out[db.kernel_key(s.fused, g.types)] = {"parts": 1}
+    for run in exe.runs:
+        out[db.run_key([db.kernel_key(s.fused, g.types) for s in run])] = {"layer3": "separate"}
+    return exe, out
+
+
+def test_stored_decisions_change_the_plan_not_the_numbers(tmp_path):
+    untuned, decisions = _decisions(tmp_path)
+    db.write(str(tmp_path / "tuning.json"), {k: {"kind": k.split(":")[0], "decision": d}
+                                            for k, d in decisions.items()})
+    exe, out = _exe(_opts(tmp_path))
+    kinds = [k.to_dict()["kind"] for k in exe.plan.kernels]
+    assert "gemm" in [k.to_dict()["kind"] for k in untuned.plan.kernels] and "gemm" not in kinds
+    assert len(exe.plan.kernels) > len(untuned.plan.kernels)        # the softmax unstitched
+    assert any(tuple(k.fused.tile_sizes) == (16,) for k in exe.steps if getattr(k, "fused", None) is not None)
+    assert all(len(item) == 1 for kind, item in exe._schedule if kind == "kernels")
+    _, want = _exe(_opts(tmp_path, tune="off"))
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_database_of_another_machine_is_ignored(tmp_path):
+    untuned, decisions = _decisions(tmp_path)
+    records = {k: {"kind": k.split(":")[0], "decision": d} for k, d in decisions.items()}
+    db.write(str(tmp_path / "tuning.json"), records, key="another-machine")
+    assert db.decisions(_opts(tmp_path)) == {}
+    exe, _ = _exe(_opts(tmp_path))
+    assert plan_steps(exe) == plan_steps(untuned)
+    db.write(str(tmp_path / "tuning.json"), records)            # the same under this machine's key
+    assert db.decisions(_opts(tmp_path)) and plan_steps(_exe(_opts(tmp_path))[0]) != plan_steps(untuned)
+    assert db.decisions(_opts(tmp_path, tune="off")) == {}
+
+
+def test_cli_tune_reports_and_stores(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 128])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 128])
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Tanh", ["e"], ["y"])]
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(helper.make_graph(nodes, "small", [x], [y]),
+                                opset_imports=[helper.make_opsetid("", 17)]), path)
+    from apollo_py.cli import main
+    assert main(["--cache-dir", str(tmp_path), "tune", path, "--budget", "5", "--repeat", "2"]) == 2
+    assert "--shape x=D0,D1" in capsys.readouterr().err
+    assert main(["--cache-dir", str(tmp_path), "tune", path, "--shape", "x=256,128", "--budget", "5",
+                 "--repeat", "2", "--json", "--progress", "off"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["records"] and out["db"] == str(tmp_path / "tuning.json") and os.path.exists(out["db"])
+
+
+def test_options_tune_tunes_on_first_call_then_replays(tmp_path, monkeypatch):
+    opts = _opts(tmp_path, tune="tune", tune_budget=3.0)
+    f = ap.jit(_graph(), options=opts)
+    f.run(**_feeds())
+    assert db.decisions(opts), "the first call at a shape tunes and stores decisions"
+    import apollo_py.tuning.tuner as T
+
+    def fail(*a, **k):
+        raise AssertionError("tuned again although every piece has a decision")
+    monkeypatch.setattr(T, "tune_graph", fail)
+    out = ap.jit(_graph(), options=opts).run(**_feeds())
+    _, want = _exe(_opts(tmp_path, tune="off"))
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cost_corrections_recalibrate_layer3(tmp_path):
+    """A kernel correction factor (measured / predicted) rescales layer 3's cost model: four
+    branches predicted to fill the machine alone at 100 kB/s are grouped once the tuner found
+    kernels a million times faster than that prediction."""
+    b = ap.GraphBuilder("branches")
+    g = b.build([b.reduce_sum(b.exp(b.input(f"x{i}", (1024, 1024))), axes=(1,), keepdims=True) for i in range(4)])
+    xs = {f"x{i}": np.full((1024, 1024), 0.1 * i, np.float32) for i in range(4)}
+    machine = ap.Machine(bandwidth=1e5, peak=50e9, launch=1e-6)
+
+    def groups(**kw):
+        f = ap.jit(g, options=ap.Options(cache_dir=str(tmp_path), machine=machine, **kw))
+        f.run(**xs)
+        exe = f.specialization({k: (1024, 1024) for k in xs})
+        return [len(item) for kind, item in exe._schedule if kind == "kernels"]
+    assert groups() == [1, 1, 1, 1]
+    db.write_corrections(ap.Options(cache_dir=str(tmp_path)), {"kernel": 1e-6}, {"kernel": 4})
+    assert groups() == [4]
+    assert groups(tune="off") == [1, 1, 1, 1]       # "off" ignores the corrections too
