@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup bench zoo clean fuzz soak distributed
+.PHONY: demo test setup bench zoo clean fuzz soak distributed pyc
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,14 +16,21 @@ $(STAMP): pyproject.toml Makefile
 	# a trained model for the test suite: silero-vad's wheel ships ONNX files (its torch
 	# dependency is not needed for them, hence --no-deps); tests/models/test_silero_vad.py
 	$(BIN)/python -m pip install --quiet --no-deps 'silero-vad==6.2.3'
+	$(MAKE) --no-print-directory pyc
 	touch $(STAMP)
+
+# bytecode for apollo_py's modules, as a regular (non-editable) install writes it: with
+# PYTHONDONTWRITEBYTECODE set (this box) every process otherwise compiles them from source,
+# ~1.7 s of a GPT-2 cold compile (docs/design/compile_time.md); stale files are ignored
+pyc:
+	$(BIN)/python -m compileall -q apollo_py
 
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) pyc
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
@@ -53,7 +60,7 @@ bench: $(STAMP)
 # The model zoo (benchmarks/zoo): export the full-size models once (~/.cache/apollo_py_zoo, or
 # $APOLLO_PY_ZOO_DIR; needs the zoo extra: torch, torchvision, timm, transformers, onnxscript),
 # then the table (benchmarks/zoo.py; ZOO_ARGS="--only gpt2 --limit 120 --write-results" etc.).
-zoo: $(STAMP)
+zoo: $(STAMP) pyc
 	$(BIN)/python -c "import torch, torchvision, timm, transformers, onnxscript" 2>/dev/null \
 		|| $(BIN)/python -m pip install --quiet -e '.[dev,zoo]'
 	# OpenVINO-f32 column of the zoo table (the bench extra; torch.compile comes with the zoo extra)

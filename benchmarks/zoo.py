@@ -15,7 +15,7 @@ small configurations).  Per model, three new processes:
    in the same process: apollo_py (``Options(num_threads=N)``), onnxruntime with all graph
    optimisations and with none (``intra_op_num_threads=N``, no spinning), OpenVINO (CPU,
    ``INFERENCE_PRECISION_HINT=f32``, N threads; where the ``bench`` extra is installed) and
-   ``torch.compile`` (default inductor, ``torch.set_num_threads(N)``) of the torch module the
+   ``torch.compile`` (default inductor, ``torch.set_num_threads(N)``, ``OMP_WAIT_POLICY=PASSIVE``) of the torch module the
    file was exported from, rebuilt by benchmarks/zoo/zoo_models.py with the export's seed (where
    the ``zoo`` extra is installed; not for the trained models, which have no torch source),
    interleaved in blocks of calls after a warm-up, median of ``--rounds`` rounds
@@ -172,6 +172,10 @@ def _optional_contenders(rec: dict, path: str, feeds: dict, threads: int, want: 
 def _torch_compile(rec: dict, feeds: dict, threads: int, want: list):
     """torch.compile (default inductor) of the zoo module the file was exported from."""
     from contenders import NA
+    # torch's OpenMP threads spin at every barrier by default; on a shared machine a descheduled
+    # spinner made DLRM 0.3 s a call instead of 2 ms (onnxruntime runs without spinning too).
+    # libgomp reads this when torch loads, and nothing imported torch before this point.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import torch
         sys.path.insert(0, str(HERE / "zoo"))
@@ -380,6 +384,27 @@ def summary(rows: list) -> str:
     return "\n".join(out)
 
 
+def tc_table(rows: list) -> str:
+    """The torch.compile column on its own: per model with a torch source, apollo_py's and
+    torch.compile's ms a call (timed interleaved in one process), their ratio, onnxruntime's ms,
+    torch.compile's compile seconds and its max relative error against onnxruntime."""
+    out = ["| model | apollo ms | torch.compile ms | apollo/torch.compile | ort-all ms | torch.compile compile s "
+           "| torch.compile rel err | load (1 min) |", "|" + "|".join(["---"] * 8) + "|"]
+    for r in rows:
+        w = r.get("warm", {})
+        if "apollo_ms" not in w:
+            err = r["cold"].get("error") or w.get("error") or "no result"
+            out.append(f"| {r['model']} | **{err[:80]}** | | | | | | {r.get('loadavg_1m', 0):.1f} |")
+            continue
+        tc = w.get("tc_ms")
+        why = (w.get("notes") or {}).get("torch.compile", "")
+        out.append(f"| {r['model']} | {w['apollo_ms']:.3f} | {_fmt(tc, '.3f') if tc else '— ' + why[:90]} "
+                   f"| {_fmt(w['apollo_ms'] / tc if tc else None)} | {w['ort_all_ms']:.3f} "
+                   f"| {_fmt(w.get('tc_compile_s'), '.1f')} | {_fmt(w.get('tc_rel_err'), '.1e')} "
+                   f"| {r.get('loadavg_1m', 0):.1f} |")
+    return "\n".join(out)
+
+
 def table_notes(rows: list) -> str:
     """The summary line, then why an optional contender's cell is empty, per model."""
     return "\n".join([summary(rows)] + [f"- {r['model']} / {k}: {why}" for r in rows
@@ -403,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write-results", action="store_true", help="replace the zoo table in benchmarks/RESULTS.md")
     ap.add_argument("--from-json", nargs="*", type=Path, help="print (and --write-results) the table of "
                     "earlier --json runs instead of running")
+    ap.add_argument("--tc-table", action="store_true", help="with --from-json: print the torch.compile table")
     args = ap.parse_args(argv)
     if args.worker:
         sys.path.insert(0, str(HERE))
@@ -414,6 +440,9 @@ def main(argv=None) -> int:
         return 0
     if args.from_json:
         rows = [r for p in args.from_json for r in json.loads(p.read_text())]
+        if args.tc_table:
+            print(tc_table(rows) + "\n\n" + summary(rows))
+            return 0
         notes = table_notes(rows)
         text = table(rows) + ("\n\n" + notes if notes else "")
         print(text)

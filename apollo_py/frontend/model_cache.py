@@ -18,7 +18,10 @@ CPU (``cache.data_model_version``).  Any change is a different key, i.e. a miss.
 **Weights are mapped, not copied.**  Arrays that lie inside an initializer's ``raw_data`` are
 stored as (file offset, dtype, shape, strides) and rebuilt as read-only views of an ``mmap`` of
 the model file: nothing is read until a kernel touches it.  Other arrays of 1 KiB or more
-(constants folded at compile time) go to a side file next to the entry, also mapped.
+(constants folded at compile time) go to a side file next to the entry, also mapped.  The
+constant operands of generated GEMMs are stored packed (``packed_store.py``, ``<key>.packed``):
+a warm compile maps those buffers, and a weight that only they read is mapped as it lies in the
+file (not copied to an aligned array): it is never read.
 
 **Format.**  ``<cache_dir>/models/<key>.pkl``: a sha256 of the rest, then a pickle of
 ``(graph, micro_graphs, specs)`` whose arrays are persistent ids; ``<key>.arrays``: the side file.
@@ -59,6 +62,8 @@ _IGNORED = ("cache_dir", "progress", "feedback_path", "model_name", "tune_budget
 
 #: what this process's model cache did (tests pin a warm compile by these)
 STATS = {"hits": 0, "misses": 0, "saves": 0, "parses": 0}
+#: the files of an entry
+_EXTS = (".pkl", ".arrays", ".packed")
 
 
 # --- the model file's identity -------------------------------------------------------------------
@@ -316,9 +321,10 @@ def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
 class _Saver(pickle.Pickler):
     """Pickles arrays as references: into the model file, or into the side file ``side``."""
 
-    def __init__(self, f, mf: ModelFile, real):
+    def __init__(self, f, mf: ModelFile, real, unread_ids=frozenset()):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
         self.mf = mf
+        self.unread_ids = unread_ids    # ids of arrays only packed GEMM operands read
         self.side = io.BytesIO()
         self.seen: dict[int, tuple] = {}
         self.keep: list = []       # arrays whose ids are in ``seen`` stay alive while pickling
@@ -346,7 +352,8 @@ class _Saver(pickle.Pickler):
         start = a.__array_interface__["data"][0]
         for rlo, rhi, off in self.ranges:
             if rlo <= lo and hi <= rhi:
-                pid = ("f", off + (start - rlo), a.dtype.str, a.shape, a.strides)
+                pid = ("F" if id(a) in self.unread_ids else "f", off + (start - rlo), a.dtype.str,
+                       a.shape, a.strides)
                 view = self.mf.view(*pid[1:])
                 # the mapping must hold these very values (the file is what the key names)
                 if view.size and not (np.array_equal(view.flat[:8], a.flat[:8], equal_nan=a.dtype.kind == "f")
@@ -373,6 +380,11 @@ class _Loader(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid[0] == "f":
             return self.mf.view(*pid[1:])
+        if pid[0] == "F":       # read only through its packed form: a view, even if misaligned
+            _, off, dtype, shape, strides = pid
+            a = np.ndarray(tuple(shape), np.dtype(dtype), buffer=self.mf.mm, offset=off, strides=tuple(strides))
+            a.flags.writeable = False
+            return a
         if pid[0] == "s":
             _, off, dtype, shape = pid
             return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self.side, offset=off)
@@ -413,7 +425,7 @@ def load_executable(program, shapes: Mapping[str, tuple], options):
         STATS["misses"] += 1
         return None
     except Exception:           # corrupt or stale entry: drop it, compile as usual
-        for ext in (".pkl", ".arrays"):
+        for ext in _EXTS:
             try:
                 os.unlink(base + ext)
             except OSError:
@@ -430,7 +442,11 @@ def load_executable(program, shapes: Mapping[str, tuple], options):
     progress.timings.append(("model cache", time.perf_counter() - t0))
     # the figures the steps were planned with: figures that were not stored (a busy machine)
     # would otherwise be measured again by every process (seconds)
-    return build_cpu_executable(graph, micro_graphs, specs, options, progress, machine, fork=False)
+    exe = build_cpu_executable(graph, micro_graphs, specs, options, progress, machine, fork=False)
+    from . import packed_store
+    if packed_store.load(exe, base + ".packed"):        # packed now; stored for the next process
+        packed_store.store(exe, base + ".packed")
+    return exe
 
 
 def save_executable(program, shapes: Mapping[str, tuple], options, exe) -> bool:
@@ -443,7 +459,12 @@ def save_executable(program, shapes: Mapping[str, tuple], options, exe) -> bool:
     mf = program.model_file
     plan = exe.plan
     buf = io.BytesIO()
-    saver = _Saver(buf, mf, program._real)
+    from . import packed_store
+    unread = set()
+    if len(plan.kernels) == len(exe.steps):
+        names = packed_store.const_operand_names(plan.kernels, exe.steps) - set(plan.graph.outputs)
+        unread = {id(exe.constants[v]) for v in names if v in exe.constants}
+    saver = _Saver(buf, mf, program._real, unread)
     try:
         specs = _with_object_keys(plan.kernels, exe.steps)
         saver.dump({"format": FORMAT, "value": (plan.graph, plan.micro_graphs, specs), "machine": exe.machine})
@@ -455,6 +476,9 @@ def save_executable(program, shapes: Mapping[str, tuple], options, exe) -> bool:
     side = saver.side.getvalue()
     if side and not _write(base + ".arrays", side):
         return False
+    # the packed operands before the entry: an entry whose unread weights have no packed file
+    # still works (load packs them from aligned copies) but pays that on every warm compile
+    packed_store.store(exe, base + ".packed")
     if not _write(base + ".pkl", hashlib.sha256(payload).digest() + payload):
         return False
     STATS["saves"] += 1
@@ -491,7 +515,7 @@ def _evict(directory: str) -> None:
     except OSError:
         return
     for _, base in entries[:max(0, len(entries) - MAX_ENTRIES)]:
-        for ext in (".pkl", ".arrays"):
+        for ext in _EXTS:
             try:
                 os.unlink(base + ext)
             except OSError:

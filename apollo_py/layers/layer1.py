@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Mapping, Sequence
 
@@ -26,59 +25,16 @@ from ..ir.graph import Node
 from ..ir.types import TensorType
 from ..options import Options
 from ..poly.ast_to_loopir import to_loop_ir
-from ..poly.reduce_forms import ReduceForm, micro_graph_reduce_form
+from ..poly.reduce_forms import micro_graph_reduce_form
 from ..poly.schedule import BudgetExceeded, NotOneGroup, schedule_program, tile_outer_band
 from ..poly.statements import build_program, compute_dependences
 from ..poly.storage import StorageError, plan_storage
 from .expand import expand_lower_rank
 
 
-@dataclass(frozen=True, eq=False)
-class FusedKernel:
-    """One fused loop nest produced by layer 1.
-
-    ``loop`` is the loop-IR kernel; its params bind, in order, the values ``param_values``
-    (``inputs`` that are not inlined constants, then ``outputs``).  ``nodes`` are the
-    primitives it computes and ``micro_graphs`` the micro-graph(s) it came from.
-    ``parallel_dims`` is the depth of the shared outer (coincident) band, ``band_extents``
-    its extents, ``tile_sizes`` the tiles applied to it (``()`` = untiled); ``flops`` and
-    ``bytes`` are estimates for the cost model; ``reduce_form`` the canonical form of its
-    last reduction; ``strategy`` "direct" (built fused tree) or "isl" (isl scheduler);
-    ``object_key`` the piecewise-cache key of its object code (set by layers/fuse_memo.py, so
-    that codegen need not render the loop to find it).
-    """
-
-    loop: L.Kernel
-    nodes: tuple
-    inputs: tuple
-    outputs: tuple
-    param_values: tuple
-    signature: str
-    parallel_dims: int
-    band_extents: tuple
-    tile_sizes: tuple
-    flops: int
-    bytes: int
-    reduce_form: ReduceForm | None
-    strategy: str
-    schedule_ms: float
-    total_ms: float
-    micro_graphs: tuple = ()
-    consts: Mapping[str, Any] = field(default_factory=dict)
-    object_key: str = ""    # piece key of the loop's object code (codegen/cached.py), when known
-
-    @property
-    def name(self) -> str:
-        return self.loop.name
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "ops": [n.op for n in self.nodes], "inputs": list(self.inputs),
-                "outputs": list(self.outputs), "signature": self.signature,
-                "parallel_dims": self.parallel_dims, "band_extents": list(self.band_extents),
-                "tile_sizes": list(self.tile_sizes), "flops": self.flops, "bytes": self.bytes,
-                "reduce_form": self.reduce_form.to_dict() if self.reduce_form else None,
-                "strategy": self.strategy, "schedule_ms": round(self.schedule_ms, 3)}
-
+# defined in its own light module: a model-cache entry that pickles FusedKernels loads without
+# importing layer 1 (islpy, the poly passes: ~0.1 s of a warm compile)
+from .fused_kernel import FusedKernel  # noqa: E402
 
 Kernel = FusedKernel   # the name the issue uses for layer 1's records
 

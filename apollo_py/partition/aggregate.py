@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
-
 from ..ir.graph import Graph
 from ..ops.classify import OPAQUE
 from .clusters import canonical_order, classify_node, find_clusters
@@ -45,6 +43,7 @@ class _State:
         self.graph = graph
         self.order = order                              # canonical position -> node index
         self.classes = [classify_node(graph, graph.nodes[k]) for k in order]
+        import networkx as nx     # here, not at the top: ~0.2 s of imports
         self.dag = nx.DiGraph()
         self.groups: dict[int, _Group] = {}
         self.seq = 0
@@ -88,6 +87,7 @@ class _State:
             return True
         self.dag.remove_edge(gp, gc)
         try:
+            import networkx as nx
             return not nx.has_path(self.dag, gp, gc)
         finally:
             self.dag.add_edge(gp, gc)
@@ -145,6 +145,7 @@ def aggregate(graph: Graph, rules: RuleTable) -> tuple[MicroGraph, ...]:
         check_deadline("partition", f"rule {rule.id!r}")
         state.apply(rule)
     result = []
+    import networkx as nx
     for gid in nx.lexicographical_topological_sort(state.dag):
         g = state.groups[gid]
         nodes = [graph.nodes[order[p]] for p in g.members]

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 
-import networkx as nx
-
 from ..errors import UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ops.classify import classify
@@ -56,6 +54,7 @@ def node_levels(graph: Graph) -> list[int]:
     """Per node, 1 + the longest path to it from graph inputs and constants (networkx's
     topological generations of the node DAG, counted from 1)."""
     index = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs}
+    import networkx as nx     # here, not at the top: ~0.2 s of imports
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(graph.nodes)))
     dag.add_edges_from((index[v], k) for k, n in enumerate(graph.nodes) for v in n.inputs if v in index)
@@ -94,6 +93,7 @@ def find_clusters(graph: Graph, order: list[int] | None = None) -> list[list[int
     order = canonical_order(graph) if order is None else order
     index = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs}
     ok = [is_compilable(n) for n in graph.nodes]
+    import networkx as nx
     parts = nx.utils.UnionFind(k for k in range(len(graph.nodes)) if ok[k])
     for k, n in enumerate(graph.nodes):
         if not ok[k]:

@@ -44,6 +44,24 @@ class GemmStep:
             cg = compile_gemm(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
         return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason, consts)
 
+    def const_operands(self) -> tuple:
+        """``(("a" | "b", value name), ...)``: the head operands that the GEMM packs once because
+        they are constants (``GemmDesc.a_const`` / ``b_const``; a direct conv packs nothing)."""
+        d = self.compiled.desc
+        a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
+        if getattr(d, "conv", None) is not None:
+            a_name, b_name = b_name, a_name
+        return tuple((op, v) for op, v, const in (("a", a_name, getattr(d, "a_const", False)),
+                                                  ("b", b_name, getattr(d, "b_const", False))) if const)
+
+    def adopt_packed(self, op: str, src: np.ndarray, packed: np.ndarray) -> None:
+        """Use ``packed`` (read from the model cache's packed store) as the packed form of the
+        constant ``src`` for operand ``op``: the GEMM does not pack ``src`` on its first call."""
+        if op == "a":
+            self.compiled._packed_a = (src, packed)
+        else:
+            self.compiled._packed = (src, packed)
+
     def execute(self, env: dict, pool) -> None:
         d = self.compiled.desc
         # the head's operands by name (inputs are deduplicated: x @ x has one)

@@ -1,0 +1,162 @@
+"""Packed constant GEMM operands stored with a model-cache entry (apollo_py/frontend/packed_store.py).
+
+A warm compile in a new process maps the packed buffers and packs nothing; a buffer whose GEMM
+blocking or source weights changed is not used (packed again, file rewritten), and the results
+always match onnxruntime.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import apollo_py as ap
+from apollo_py.codegen import gemm
+from apollo_py.frontend import model_cache as mc
+from apollo_py.frontend import packed_store
+
+RTOL = 1e-4
+
+
+def gemm_model(path: Path, scale: float = 1.0) -> Path:
+    """conv(x[1,8,12,12], Wc[16,8,3,3]) (a constant A) -> flatten -> @ W[2304,64] (a constant B)
+    + b -> relu.  The weights sit in the file's raw_data; names of odd length misalign some."""
+    rng = np.random.default_rng(11)
+    wc = (rng.standard_normal((16, 8, 3, 3)) * scale).astype(np.float32)
+    w = (rng.standard_normal((16 * 12 * 12, 64)) * 0.05 * scale).astype(np.float32)
+    b = rng.standard_normal(64).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "Wconv"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Flatten", ["c"], ["f"], axis=1),
+             helper.make_node("MatMul", ["f", "Wlin"], ["m"]), helper.make_node("Add", ["m", "bias"], ["a"]),
+             helper.make_node("Relu", ["a"], ["y"])]
+    g = helper.make_graph(nodes, "packed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(wc, "Wconv"), numpy_helper.from_array(w, "Wlin"),
+                           numpy_helper.from_array(b, "bias")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def options(cache) -> ap.Options:
+    return ap.Options(cache_dir=str(cache), num_threads=2, gemm="generated")
+
+
+X = np.random.default_rng(2).standard_normal((1, 8, 12, 12)).astype(np.float32)
+
+
+def ort_y(path):
+    ort = pytest.importorskip("onnxruntime")
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
+
+
+def rel_err(got, want) -> float:
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+@pytest.fixture
+def stats():
+    before = dict(packed_store.STATS)
+    yield lambda: {k: packed_store.STATS[k] - before[k] for k in before}
+
+
+def compile_and_check(path, cache):
+    f = ap.jit(str(path), options=options(cache))
+    assert rel_err(f(x=X), ort_y(path)) <= RTOL
+    packed_store.wait()
+    return f
+
+
+WARM = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    path, cache, x_path, out_path = sys.argv[1:5]
+    import apollo_py as ap
+    from apollo_py.codegen import gemm
+    from apollo_py.frontend import model_cache as mc, packed_store
+
+    def forbidden(*a, **k):
+        raise AssertionError("the warm compile packed a constant GEMM operand")
+    gemm._aligned_zeros = forbidden
+    f = ap.jit(path, options=ap.Options(cache_dir=cache, num_threads=2, gemm="generated"))
+    np.save(out_path, f(x=np.load(x_path)))
+    print(json.dumps({"stats": mc.STATS, "packed": packed_store.STATS, "modules": sorted(sys.modules)}))
+""")
+
+
+def test_new_process_maps_the_packed_operands(tmp_path, stats):
+    path = gemm_model(tmp_path / "m.onnx")
+    cache = tmp_path / "cache"
+    compile_and_check(path, cache)                  # cold: packs both weights once, stores them
+    s = stats()
+    assert s["packed"] == 0 and s["written"] == 1, s
+    (packed,) = (cache / "models").glob("*.packed")
+    (tmp_path / "warm.py").write_text(WARM)
+    np.save(tmp_path / "x.npy", X)
+    proc = subprocess.run([sys.executable, str(tmp_path / "warm.py"), str(path), str(cache), str(tmp_path / "x.npy"),
+                           str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["stats"]["hits"] == 1, doc["stats"]
+    # the conv's weight (A) and the linear layer's (B): mapped, not packed, file not rewritten
+    assert doc["packed"] == {"mapped": 2, "packed": 0, "written": 0}, doc["packed"]
+    assert rel_err(np.load(tmp_path / "y.npy"), ort_y(path)) <= RTOL
+    # what a warm compile does not import (~0.3 s of it without .pyc files): the partitioner's
+    # networkx, layer 1 and islpy, the ONNX reader
+    assert not {"networkx", "islpy", "onnx", "apollo_py.layers.layer1"} & set(doc["modules"])
+    assert packed.stat().st_size > (16 * 12 * 12 * 64 + 16 * 8 * 9) * 4
+
+
+def test_changed_blocking_is_not_read_and_is_repacked(tmp_path, stats, monkeypatch):
+    """The entry's key does not change with the blocking (it comes from the CPU, which keys the
+    entry anyway; here it is forced): the records' tags do, so the buffers are packed again and
+    the file rewritten for the new blocking."""
+    path = gemm_model(tmp_path / "m.onnx")
+    cache = tmp_path / "cache"
+    hits = mc.STATS["hits"]
+    compile_and_check(path, cache)
+    compile_and_check(path, cache)
+    s = stats()
+    assert s["mapped"] == 2 and s["packed"] == 0 and s["written"] == 1, s
+    chosen = gemm.blocking_for
+    swap = {12: 8, 8: 12, 6: 4, 4: 6}       # the other micro-tile height of the same vector width
+
+    def other(m):
+        b = chosen(m)
+        return gemm.Blocking(b.vl, swap[b.mr], b.nr)
+    monkeypatch.setattr(gemm, "blocking_for", other)
+    f = compile_and_check(path, cache)
+    s = stats()
+    assert s["mapped"] == 2 and s["packed"] == 2 and s["written"] == 2, s
+    assert mc.STATS["hits"] - hits == 2       # the same entry: only the buffers' tags changed
+    compile_and_check(path, cache)              # the rewritten file has the new blocking's tags
+    s = stats()
+    assert s["mapped"] == 4 and s["packed"] == 2 and s["written"] == 2, s
+    del f
+
+
+def test_changed_weights_are_not_read(tmp_path, stats):
+    """Other weights are another model-cache entry (the file's identity); a packed file of other
+    weights put under this entry's name (a stale or foreign file) fails the tags' value check."""
+    a, b = gemm_model(tmp_path / "a.onnx"), gemm_model(tmp_path / "b.onnx", scale=3.0)
+    cache = tmp_path / "cache"
+    compile_and_check(a, cache)
+    before = set((cache / "models").glob("*.packed"))
+    compile_and_check(b, cache)
+    (pb,) = set((cache / "models").glob("*.packed")) - before
+    (pa,) = before
+    s = stats()
+    assert s["written"] == 2 and s["mapped"] == 0, s
+    shutil.copyfile(pa, pb)
+    compile_and_check(b, cache)                 # b's entry, a's buffers: packed again from b
+    s = stats()
+    assert s["mapped"] == 0 and s["packed"] == 2 and s["written"] == 3, s
+    compile_and_check(b, cache)
+    assert stats()["mapped"] == 2
