@@ -40,6 +40,24 @@ SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (el
 
 
 @dataclass(frozen=True)
+class Squeeze:
+    """The global sum over H, W of the stored epilogue value ``value`` (one output plane per
+    parallel iteration, summed right after it is written), named ``reduce``, then the
+    row-space ``nodes`` (e.g. the ``div`` of a mean, scalar constants ``inline_consts``);
+    ``outputs`` (``out_dtypes``, ``out_shapes``) are the row values stored, one element per
+    (image, channel) in that order."""
+
+    value: str
+    reduce: str
+    nodes: tuple = ()
+    outputs: tuple = ()
+    out_dtypes: tuple = ()
+    out_shapes: tuple = ()
+    node_dtypes: tuple = ()
+    inline_consts: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DirectConvDesc:
     """One direct conv: ``geom`` (input, kernel, output geometry), ``cout`` output channels,
     then the epilogue fields of :class:`~apollo_py.codegen.gemm.GemmDesc` (same meaning)."""
@@ -55,6 +73,7 @@ class DirectConvDesc:
     out_dtypes: tuple = ()
     node_dtypes: tuple = ()
     inline_consts: dict = field(default_factory=dict)
+    squeeze: Squeeze | None = None     # a fused global-average-pool squeeze (layers/conv_squeeze.py)
 
     # the GEMM view's sizes, for flop counts in profiles and plan text
     @property
@@ -115,6 +134,26 @@ def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Exp
     return stmts + [L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)]
 
 
+def _squeeze(d: DirectConvDesc, outs, sq_outs, t: L.Expr) -> list:
+    """Statements summing output plane ``t`` of the squeezed value (just stored into its output
+    buffer, so the reads hit cache) in 16 lanes, applying the squeeze's row-space nodes and
+    storing its row values at index ``t``; none without a squeeze."""
+    sq = d.squeeze
+    if sq is None:
+        return []
+    from apollo_py.codegen.scalar_ops import scalar_op
+    from apollo_py.codegen.templates import lane_reduce
+    ohw = d.conv.oh * d.conv.ow
+    src = outs[d.outputs.index(sq.value)]
+    stmts, acc = lane_reduce("sq", "sum", "float32", 0, ohw, lambda r: L.Load(src, t * ohw + r))
+    env: dict = {sq.reduce: acc, **sq.inline_consts}
+    for q, n in enumerate(sq.nodes):
+        e = scalar_op(n, [env[v] for v in n.inputs], [], sq.node_dtypes[q])
+        stmts.append(L.Local(f"sq{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"sq{q}", e.dtype)
+    return stmts + [L.Store(sq_outs[q], t, env[v]) for q, v in enumerate(sq.outputs)]
+
+
 def _matvec_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
     """Parallel over output elements ``t = image * Cout + co``: a 16-lane dot product of weight
     row ``co`` (contiguous) with the image's group channels (contiguous), then the epilogue."""
@@ -145,8 +184,10 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
     if is_matvec(g):
         return _matvec_kernel(d, w, x, ops, outs)
+    sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
+               enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
-        return _padded_kernel(d, w, x, ops, outs)
+        return _padded_kernel(d, w, x, ops, outs, sq_outs)
     V = L.Var
     f32 = "float32"
     zero = L.Const(0.0, f32)
@@ -191,9 +232,10 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
         L.Local("co", "int64", t % d.cout),
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * hw),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
-        L.for_("oh", 0, g.oh, row_loop, "serial"))
+        L.for_("oh", 0, g.oh, row_loop, "serial"),
+        *_squeeze(d, outs, sq_outs, t))
     loops = L.for_("t", 0, g.n * d.cout, plane, "parallel")
-    return L.Kernel(d.name, (w, x, *ops, *outs), loops, "t", g.n * d.cout)
+    return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
 def _tree_sum(terms: list, chains: int = 4) -> L.Expr:
@@ -215,7 +257,7 @@ def padded_plane(g: ConvGeom) -> tuple[int, int]:
             (g.ow - 1) * g.strides[1] + (g.kw - 1) * g.dilations[1] + 1)
 
 
-def _padded_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
+def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
     """Per output plane: copy the group's input planes into a zero-padded scratch (zero runs and
     one contiguous copy per row), then every output row is one vector loop of affine scratch
     loads -- no border cases, no per-element tests; the tap weights are scalars hoisted out of
@@ -254,9 +296,9 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
         L.Local("co", "int64", t % d.cout),
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * (g.h * g.w)),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
-        copy, *weights, rows)
+        copy, *weights, rows, *_squeeze(d, outs, sq_outs, t))
     loops = L.block(pad, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
-    return L.Kernel(d.name, (w, x, *ops, *outs), loops, "t", g.n * d.cout)
+    return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
 class CompiledDirectConv:

@@ -58,7 +58,10 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
 
     from ..deadline import check as check_deadline
     steps: list[StepSpec] = []
+    skip: set = set()
     for gi, group in enumerate(groups):
+        if gi in skip:      # lowered with the group before it (a conv's fused squeeze)
+            continue
         check_deadline("layer 1 fusion", lambda: _micro_graph_label(micro_graphs, group))
         if progress is not None:
             progress.step(len(group))
@@ -93,6 +96,11 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 steps.extend(_fuse(prologue, i0, o0, graph, options, tuple(group), members))
             else:
                 epilogue = prologue + epilogue
+            sq = _squeeze_next(gi, head[0], epilogue, groups, micro_graphs, graph, reads_after, options)
+            if sq is not None:
+                steps.append(sq)
+                skip.add(gi + 1)
+                continue
             from .gemm_lowering import gemm_spec
             spec, epilogue, why = gemm_spec(head[0], list(epilogue), graph, later, options, tuple(group))
             if spec is not None:
@@ -108,6 +116,20 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
         ins, outs = _boundary(nodes, graph, later)
         steps.extend(_fuse(nodes, ins, outs, graph, options, tuple(group), members))
     return steps
+
+
+def _squeeze_next(gi: int, head, epilogue, groups, micro_graphs, graph: Graph, reads_after, options: Options):
+    """The conv step of group ``gi`` with the next group's global-average-pool squeeze fused
+    into it (layers/conv_squeeze.py), or None."""
+    if gi + 1 >= len(groups) or options.target != "cpu":
+        return None
+    nxt = groups[gi + 1]
+    if any(micro_graphs[k].kind not in ("reduction", "elementwise", "broadcast") for k in nxt):
+        return None
+    from .conv_squeeze import fuse_squeeze
+    nodes = [n for k in nxt for n in micro_graphs[k].nodes]
+    return fuse_squeeze(head, list(epilogue), nodes, graph, reads_after[gi + 1], options,
+                        (*groups[gi], *nxt))
 
 
 def _micro_graph_label(micro_graphs, group) -> str:
