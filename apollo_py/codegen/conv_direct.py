@@ -116,9 +116,10 @@ def is_matvec(g: ConvGeom) -> bool:
     return g.h == g.w == g.kh == g.kw == g.oh == g.ow == 1
 
 
-def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr) -> list:
+def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr, at: L.Expr | None = None) -> list:
     """Statements computing the epilogue chain on ``acc`` (the conv's value at output row
-    ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs."""
+    ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs
+    (at ``at`` instead of the output element's index when given: the flat form's scratch)."""
     from apollo_py.codegen.scalar_ops import scalar_op
     f32 = "float32"
     stmts = [L.Local("v_head", f32, acc)]
@@ -130,7 +131,7 @@ def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Exp
         e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
         stmts.append(L.Local(f"v{q}", e.dtype, e))
         env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
-    lin = row * (d.conv.oh * d.conv.ow) + col
+    lin = row * (d.conv.oh * d.conv.ow) + col if at is None else at
     return stmts + [L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)]
 
 
@@ -257,6 +258,25 @@ def padded_plane(g: ConvGeom) -> tuple[int, int]:
             (g.ow - 1) * g.strides[1] + (g.kw - 1) * g.dilations[1] + 1)
 
 
+def flat_form(d: DirectConvDesc) -> bool:
+    """Whether the padded kernel runs its tap sum as one vector loop over the flattened padded
+    plane (equal strides; epilogue operands constant along H, W; float epilogue values).
+
+    A row loop of OW iterations is vectorised by LLVM at the widest factor dividing into it:
+    4 lanes at OW = 28, 2 or none at 14 and 7 -- where MobileNet / EfficientNet keep most of
+    their channels.  Flattened, output ``(oh, ow)`` is element ``oh * PW + ow`` of a loop
+    over ``(OH - 1) * PW + OW`` points (``PW`` the padded row pitch) whose loads stay affine
+    (``x_pad[j * s + kh * dh * PW + kw * dw]``): full vectors whatever OW is, at the cost of
+    computing ``PW - OW`` padding columns per row, which the row copies after it skip.  The
+    input scratch and one flat scratch per output must fit :data:`SCRATCH_BYTES` together."""
+    g = d.conv
+    if g.strides[0] != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * prod(padded_plane(g)) * 4 > SCRATCH_BYTES:
+        return False
+    if any(any(s != 1 for s in o.shape[-2:]) for o in d.operands if len(o.shape) >= 2):
+        return False
+    return all(L.is_float(L.compute_dtype(dt)) for dt in (*d.node_dtypes, *d.out_dtypes))
+
+
 def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
     """Per output plane: copy the group's input planes into a zero-padded scratch (zero runs and
     one contiguous copy per row), then every output row is one vector loop of affine scratch
@@ -286,18 +306,30 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
         L.for_("c", mid_hi, pcol, L.Store(pad, dst + V("c"), zero), "vector"))))
     weights = [L.Local(f"w{ci}_{kh}_{kw}", f32, L.Load(w, V("wbase") + ((ci * g.kh + kh) * g.kw + kw)))
                for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)]
-    acc = _tree_sum([L.Load(pad, (ci * prow + oh * sh + kh * dh) * pcol + ow * sw + kw * dw)
-                     * V(f"w{ci}_{kh}_{kw}", f32)
-                     for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
-    rows = L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*_epilogue(d, acc, ops, outs, t, oh * g.ow + ow)),
-                                        "vector"))
+    allocs = [pad]
+    if flat_form(d):
+        nflat = (g.oh - 1) * pcol + g.ow
+        j = V("j")
+        acc = _tree_sum([L.Load(pad, (ci * prow + kh * dh) * pcol + kw * dw + j * sw) * V(f"w{ci}_{kh}_{kw}", f32)
+                         for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+        tmps = [L.Alloc(f"yflat{q}", dt, nflat) for q, dt in enumerate(d.out_dtypes)]
+        allocs += tmps
+        copies = [L.Store(o, t * (g.oh * g.ow) + oh * g.ow + ow, L.Load(y, oh * pcol + ow)) for o, y in zip(outs, tmps)]
+        rows = L.block(L.for_("j", 0, nflat, L.block(*_epilogue(d, acc, ops, tmps, t, L.Const(0), at=j)), "vector"),
+                       L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*copies), "vector")))
+    else:
+        acc = _tree_sum([L.Load(pad, (ci * prow + oh * sh + kh * dh) * pcol + ow * sw + kw * dw)
+                         * V(f"w{ci}_{kh}_{kw}", f32)
+                         for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+        rows = L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*_epilogue(d, acc, ops, outs, t, oh * g.ow + ow)),
+                                            "vector"))
     plane = L.block(
         L.Local("img", "int64", t // d.cout),
         L.Local("co", "int64", t % d.cout),
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * (g.h * g.w)),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
         copy, *weights, rows, *_squeeze(d, outs, sq_outs, t))
-    loops = L.block(pad, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
+    loops = L.block(*allocs, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
     return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
