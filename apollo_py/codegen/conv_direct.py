@@ -37,6 +37,7 @@ from apollo_py.errors import CompileError
 
 MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
 SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (else border loops)
+MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
 
 
 @dataclass(frozen=True)
@@ -343,7 +344,12 @@ class CompiledDirectConv:
         self.ir = getattr(compiled, "ir", "")
 
     def run(self, pool, w: np.ndarray, x: np.ndarray, operands, outputs) -> None:
-        pool.run(self.kernel, [w, x, *operands, *outputs])
+        g = self.desc.conv
+        # a matrix-vector product runs on the calling thread up to MATVEC_CHUNK_MACS per chunk:
+        # the squeeze-excitation products (10-60K multiply-adds, a few microseconds) cost more
+        # to hand to the pool's threads than to compute
+        chunk = -(-MATVEC_CHUNK_MACS // (g.c // g.group)) if is_matvec(g) else 1
+        pool.run(self.kernel, [w, x, *operands, *outputs], min_chunk=chunk)
 
 
 def compile_direct_conv(d: DirectConvDesc, cache_dir: str | None = None) -> CompiledDirectConv:
