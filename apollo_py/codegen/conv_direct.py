@@ -261,7 +261,8 @@ def padded_plane(g: ConvGeom) -> tuple[int, int]:
 
 def flat_form(d: DirectConvDesc) -> bool:
     """Whether the padded kernel runs its tap sum as one vector loop over the flattened padded
-    plane (equal strides; epilogue operands constant along H, W; float epilogue values).
+    plane (equal strides -- above 1 split into phase sub-planes, :func:`_phase_split`;
+    epilogue operands constant along H, W; float epilogue values).
 
     A row loop of OW iterations is vectorised by LLVM at the widest factor dividing into it:
     4 lanes at OW = 28, 2 or none at 14 and 7 -- where MobileNet / EfficientNet keep most of
@@ -271,11 +272,65 @@ def flat_form(d: DirectConvDesc) -> bool:
     computing ``PW - OW`` padding columns per row, which the row copies after it skip.  The
     input scratch and one flat scratch per output must fit :data:`SCRATCH_BYTES` together."""
     g = d.conv
-    if g.strides[0] != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * prod(padded_plane(g)) * 4 > SCRATCH_BYTES:
+    s = g.strides[0]
+    plane = s * s * prod(phase_plane(g)) if s > 1 else prod(padded_plane(g))
+    if s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
         return False
     if any(any(s != 1 for s in o.shape[-2:]) for o in d.operands if len(o.shape) >= 2):
         return False
     return all(L.is_float(L.compute_dtype(dt)) for dt in (*d.node_dtypes, *d.out_dtypes))
+
+
+def phase_plane(g: ConvGeom) -> tuple[int, int]:
+    """Rows and columns of one phase sub-plane of a stride-``s`` conv's padded input plane:
+    ``ceil(rows / s)`` by ``ceil(columns / s)``; there are ``s * s`` of them per channel."""
+    prow, pcol = padded_plane(g)
+    s = g.strides[0]
+    return -(-prow // s), -(-pcol // s)
+
+
+def _phase_split(d: DirectConvDesc, x):
+    """``(scratch, copy, tap sum, row pitch)`` of the flat form at stride ``s > 1``.
+
+    Padded row ``r``, column ``c`` of channel ``ci`` is stored in phase sub-plane
+    ``(ci, r % s, c % s)`` at ``(r // s, c // s)``: a tap ``(kh, kw)`` of output ``(oh, ow)``
+    reads row ``oh*s + kh*dh`` and column ``ow*s + kw*dw``, i.e. sub-plane
+    ``(kh*dh % s, kw*dw % s)`` at ``(oh + kh*dh // s, ow + kw*dw // s)`` -- unit stride in the
+    flat index ``oh * Q + ow`` (``Q`` the sub-plane's width).  The copy reads each input element
+    once with stride ``s``; without the split every tap read with stride ``s`` (shuffles)."""
+    g = d.conv
+    cgi = g.c // g.group
+    s = g.strides[0]
+    ph, pw = g.pads
+    dh, dw = g.dilations
+    rq, q = phase_plane(g)
+    V = L.Var
+    f32 = "float32"
+    zero = L.Const(0.0, f32)
+    pad = L.Alloc("xpad", f32, cgi * s * s * rq * q)
+    per_row = []
+    for pr in range(s):
+        dst_row = ((V("ci") * s + pr) * s) * rq + V("i")
+        body = [L.Local(f"ih{pr}", "int64", V("i") * s + (pr - ph)),
+                L.Local(f"rowok{pr}", "bool", L.land(L.ge(V(f"ih{pr}"), 0), L.lt(V(f"ih{pr}"), g.h))),
+                L.Local(f"src{pr}", "int64", V("xbase") + (V("ci") * g.h + L.minimum(L.maximum(V(f"ih{pr}"), 0),
+                                                                                      g.h - 1)) * g.w)]
+        for pc in range(s):
+            dst = (dst_row + pc * rq) * q
+            # sub-plane columns jc whose input column jc*s + pc - pw lies in [0, W)
+            lo = min(q, max(0, -(-(pw - pc) // s)))
+            hi = min(q, max(lo, -(-(g.w + pw - pc) // s)))
+            body += [L.for_("jc", 0, lo, L.Store(pad, dst + V("jc"), zero), "vector"),
+                     L.for_("jc", lo, hi, L.Store(pad, dst + V("jc"), L.Select(
+                         V(f"rowok{pr}", "bool"), L.Load(x, V(f"src{pr}") + V("jc") * s + (pc - pw)), zero)), "vector"),
+                     L.for_("jc", hi, q, L.Store(pad, dst + V("jc"), zero), "vector")]
+        per_row.append(L.block(*body))
+    copy = L.for_("ci", 0, cgi, L.for_("i", 0, rq, L.block(*per_row)))
+    j = V("j")
+    acc = _tree_sum([L.Load(pad, (((ci * s + kh * dh % s) * s + kw * dw % s) * rq + kh * dh // s) * q
+                            + kw * dw // s + j) * V(f"w{ci}_{kh}_{kw}", f32)
+                     for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+    return pad, copy, acc, q
 
 
 def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
@@ -309,10 +364,15 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
                for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)]
     allocs = [pad]
     if flat_form(d):
-        nflat = (g.oh - 1) * pcol + g.ow
         j = V("j")
-        acc = _tree_sum([L.Load(pad, (ci * prow + kh * dh) * pcol + kw * dw + j * sw) * V(f"w{ci}_{kh}_{kw}", f32)
-                         for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+        if sw == 1:
+            nflat = (g.oh - 1) * pcol + g.ow
+            acc = _tree_sum([L.Load(pad, (ci * prow + kh * dh) * pcol + kw * dw + j) * V(f"w{ci}_{kh}_{kw}", f32)
+                             for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+        else:
+            pad, copy, acc, pcol = _phase_split(d, x)
+            allocs = [pad]
+            nflat = (g.oh - 1) * pcol + g.ow
         tmps = [L.Alloc(f"yflat{q}", dt, nflat) for q, dt in enumerate(d.out_dtypes)]
         allocs += tmps
         copies = [L.Store(o, t * (g.oh * g.ow) + oh * g.ow + ow, L.Load(y, oh * pcol + ow)) for o, y in zip(outs, tmps)]
