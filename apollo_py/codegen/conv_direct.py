@@ -59,6 +59,23 @@ class Squeeze:
 
 
 @dataclass(frozen=True)
+class Excite:
+    """The excitation ``output = operand * value`` of a squeeze-excitation block fused into the
+    matrix-vector conv computing the gate ``value`` (one per (image, channel)): each parallel
+    iteration scales its channel's plane of ``hw`` elements of epilogue operand ``operand``."""
+
+    value: str
+    operand: str
+    output: str
+    shape: tuple
+    dtype: str = "float32"
+
+    @property
+    def hw(self) -> int:
+        return prod(self.shape[2:])
+
+
+@dataclass(frozen=True)
 class DirectConvDesc:
     """One direct conv: ``geom`` (input, kernel, output geometry), ``cout`` output channels,
     then the epilogue fields of :class:`~apollo_py.codegen.gemm.GemmDesc` (same meaning)."""
@@ -75,6 +92,14 @@ class DirectConvDesc:
     node_dtypes: tuple = ()
     inline_consts: dict = field(default_factory=dict)
     squeeze: Squeeze | None = None     # a fused global-average-pool squeeze (layers/conv_squeeze.py)
+    excite: Excite | None = None       # a fused excitation multiply (matrix-vector convs only)
+
+    def extra_outputs(self) -> tuple:
+        """``(name, shape, dtype)`` of the values stored besides ``outputs`` (squeeze rows, the
+        excitation), in kernel parameter order after the outputs."""
+        sq, ex = self.squeeze, self.excite
+        rows = tuple(zip(sq.outputs, sq.out_shapes, sq.out_dtypes)) if sq is not None else ()
+        return rows + (((ex.output, ex.shape, ex.dtype),) if ex is not None else ())
 
     # the GEMM view's sizes, for flop counts in profiles and plan text
     @property
@@ -117,7 +142,8 @@ def is_matvec(g: ConvGeom) -> bool:
     return g.h == g.w == g.kh == g.kw == g.oh == g.ow == 1
 
 
-def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr, at: L.Expr | None = None) -> list:
+def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr, at: L.Expr | None = None,
+              env_out: dict | None = None) -> list:
     """Statements computing the epilogue chain on ``acc`` (the conv's value at output row
     ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs
     (at ``at`` instead of the output element's index when given: the flat form's scratch)."""
@@ -132,6 +158,8 @@ def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Exp
         e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
         stmts.append(L.Local(f"v{q}", e.dtype, e))
         env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+    if env_out is not None:
+        env_out.update(env)
     lin = row * (d.conv.oh * d.conv.ow) + col if at is None else at
     return stmts + [L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)]
 
@@ -167,8 +195,17 @@ def _matvec_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
     xb = L.Var("img") * g.c + (L.Var("co") // cgo) * cgi
     stmts, acc = lane_reduce("acc", "sum", "float32", 0, cgi,
                              lambda r: L.Load(w, L.Var("co") * cgi + r) * L.Load(x, xb + r))
-    body = L.block(*head, *stmts, *_epilogue(d, acc, ops, outs, t, L.Const(0)))
-    return L.Kernel(d.name, (w, x, *ops, *outs), L.for_("t", 0, g.n * d.cout, body, "parallel"),
+    env: dict = {}
+    body = [*head, *stmts, *_epilogue(d, acc, ops, outs, t, L.Const(0), env_out=env)]
+    extra = []
+    if d.excite is not None:
+        ex = d.excite
+        src = ops[[o.value for o in d.operands].index(ex.operand)]
+        extra = [L.Param("excite", ex.dtype, prod(ex.shape))]
+        jv = L.Var("j")
+        body.append(L.for_("j", 0, ex.hw, L.Store(extra[0], t * ex.hw + jv,
+                                                  L.Load(src, t * ex.hw + jv) * env[ex.value]), "vector"))
+    return L.Kernel(d.name, (w, x, *ops, *outs, *extra), L.for_("t", 0, g.n * d.cout, L.block(*body), "parallel"),
                     "t", g.n * d.cout)
 
 
@@ -408,7 +445,8 @@ class CompiledDirectConv:
         # a matrix-vector product runs on the calling thread up to MATVEC_CHUNK_MACS per chunk:
         # the squeeze-excitation products (10-60K multiply-adds, a few microseconds) cost more
         # to hand to the pool's threads than to compute
-        chunk = -(-MATVEC_CHUNK_MACS // (g.c // g.group)) if is_matvec(g) else 1
+        work = g.c // g.group + (2 * self.desc.excite.hw if self.desc.excite is not None else 0)
+        chunk = -(-MATVEC_CHUNK_MACS // work) if is_matvec(g) else 1
         pool.run(self.kernel, [w, x, *operands, *outputs], min_chunk=chunk)
 
 

@@ -109,3 +109,42 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
            "(each output plane summed after it is written)")
     return replace(spec, outputs=(*spec.outputs, *stored), nodes=(*spec.nodes, r, *tail), reason=why,
                    micro_graphs=tuple(group), gemm=d)
+
+
+def fuse_excite(head: Node, epilogue: list, nxt: list, graph: Graph, later: set, options: Options,
+                group: tuple):
+    """One matrix-vector conv StepSpec computing ``head``, ``epilogue`` (the gate: a Sigmoid or
+    HardSigmoid) and the next group's lone ``mul`` of the gate (``(N, C, 1, 1)``) with a
+    ``(N, C, H, W)`` value -- the excitation -- or None.  The excitation then runs in the
+    product's parallel loop (each output channel scales its plane right after its dot product)
+    instead of as a kernel of its own: one launch fewer per block."""
+    from ..codegen.conv_direct import DirectConvDesc, Excite, is_matvec
+    from ..codegen.gemm import EpiOperand
+    from .gemm_lowering import gemm_spec
+    types = graph.types
+    if head.op != "conv" or len(nxt) != 1 or nxt[0].op != "mul":
+        return None
+    m = nxt[0]
+    gate = (epilogue[-1] if epilogue else head).outputs[0]
+    if list(m.inputs).count(gate) != 1:
+        return None
+    a = m.inputs[1] if m.inputs[0] == gate else m.inputs[0]
+    if a in {head.outputs[0], *(n.outputs[0] for n in epilogue)}:      # a SiLU's own mul, not an excitation
+        return None
+    gt, at, ot = types[gate], types[a], types[m.outputs[0]]
+    if len(at.shape) != 4 or prod(at.shape[2:]) <= 1 or tuple(gt.shape) != (at.shape[0], at.shape[1], 1, 1) or tuple(ot.shape) != tuple(at.shape):
+        return None
+    if {gt.dtype, at.dtype, ot.dtype} != {"float32"}:
+        return None
+    spec, rest, _ = gemm_spec(head, list(epilogue), graph, later, options, group)
+    if spec is None or rest or not isinstance(spec.gemm, DirectConvDesc) or not is_matvec(spec.gemm.conv):
+        return None
+    d = spec.gemm
+    if d.squeeze is not None or d.cout != at.shape[1] or d.conv.n != at.shape[0]:
+        return None
+    ops = d.operands if any(o.value == a for o in d.operands) else (*d.operands, EpiOperand(a, at.dtype, tuple(at.shape)))
+    d = replace(d, operands=tuple(ops), excite=Excite(gate, a, m.outputs[0], tuple(at.shape)))
+    ins = tuple(dict.fromkeys([*spec.inputs, a]))
+    why = f"{spec.reason}; excitation mul fused (each channel's plane scaled after its dot product)"
+    return replace(spec, inputs=ins, outputs=(*spec.outputs, m.outputs[0]), nodes=(*spec.nodes, m), reason=why,
+                   micro_graphs=tuple(group), gemm=d)

@@ -97,6 +97,10 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
             else:
                 epilogue = prologue + epilogue
             sq = _squeeze_next(gi, head[0], epilogue, groups, micro_graphs, graph, reads_after, options)
+            if sq is None and epilogue and options.target == "cpu":
+                # rule 6 puts an SE block's excitation mul into the gate's conv micro-graph
+                from .conv_squeeze import fuse_excite
+                sq = fuse_excite(head[0], list(epilogue[:-1]), [epilogue[-1]], graph, later, options, tuple(group))
             if sq is not None:
                 steps.append(sq)
                 skip.add(gi + 1)
@@ -119,17 +123,20 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
 
 
 def _squeeze_next(gi: int, head, epilogue, groups, micro_graphs, graph: Graph, reads_after, options: Options):
-    """The conv step of group ``gi`` with the next group's global-average-pool squeeze fused
-    into it (layers/conv_squeeze.py), or None."""
+    """The conv step of group ``gi`` with the next group's global-average-pool squeeze or
+    excitation multiply fused into it (layers/conv_squeeze.py), or None."""
     if gi + 1 >= len(groups) or options.target != "cpu":
         return None
     nxt = groups[gi + 1]
     if any(micro_graphs[k].kind not in ("reduction", "elementwise", "broadcast") for k in nxt):
         return None
-    from .conv_squeeze import fuse_squeeze
+    from .conv_squeeze import fuse_excite, fuse_squeeze
     nodes = [n for k in nxt for n in micro_graphs[k].nodes]
-    return fuse_squeeze(head, list(epilogue), nodes, graph, reads_after[gi + 1], options,
-                        (*groups[gi], *nxt))
+    for fuse in (fuse_squeeze, fuse_excite):
+        spec = fuse(head, list(epilogue), nodes, graph, reads_after[gi + 1], options, (*groups[gi], *nxt))
+        if spec is not None:
+            return spec
+    return None
 
 
 def _micro_graph_label(micro_graphs, group) -> str:
