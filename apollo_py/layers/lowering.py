@@ -97,14 +97,17 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
             else:
                 epilogue = prologue + epilogue
             sq = _squeeze_next(gi, head[0], epilogue, groups, micro_graphs, graph, reads_after, options)
-            if sq is None and epilogue and options.target == "cpu":
-                # rule 6 puts an SE block's excitation mul into the gate's conv micro-graph
-                from .conv_squeeze import fuse_excite
-                sq = fuse_excite(head[0], list(epilogue[:-1]), [epilogue[-1]], graph, later, options, tuple(group))
             if sq is not None:
                 steps.append(sq)
                 skip.add(gi + 1)
                 continue
+            if epilogue and options.target == "cpu":
+                # rule 6 puts an SE block's excitation mul into the gate's conv micro-graph
+                from .conv_squeeze import fuse_excite
+                sq = fuse_excite(head[0], list(epilogue[:-1]), [epilogue[-1]], graph, later, options, tuple(group))
+                if sq is not None:
+                    steps.append(sq)
+                    continue
             from .gemm_lowering import gemm_spec
             spec, epilogue, why = gemm_spec(head[0], list(epilogue), graph, later, options, tuple(group))
             if spec is not None:
