@@ -37,6 +37,42 @@ from apollo_py.errors import CompileError
 
 MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
 SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (else border loops)
+MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
+
+
+@dataclass(frozen=True)
+class Squeeze:
+    """The global sum over H, W of the stored epilogue value ``value`` (one output plane per
+    parallel iteration, summed right after it is written), named ``reduce``, then the
+    row-space ``nodes`` (e.g. the ``div`` of a mean, scalar constants ``inline_consts``);
+    ``outputs`` (``out_dtypes``, ``out_shapes``) are the row values stored, one element per
+    (image, channel) in that order."""
+
+    value: str
+    reduce: str
+    nodes: tuple = ()
+    outputs: tuple = ()
+    out_dtypes: tuple = ()
+    out_shapes: tuple = ()
+    node_dtypes: tuple = ()
+    inline_consts: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Excite:
+    """The excitation ``output = operand * value`` of a squeeze-excitation block fused into the
+    matrix-vector conv computing the gate ``value`` (one per (image, channel)): each parallel
+    iteration scales its channel's plane of ``hw`` elements of epilogue operand ``operand``."""
+
+    value: str
+    operand: str
+    output: str
+    shape: tuple
+    dtype: str = "float32"
+
+    @property
+    def hw(self) -> int:
+        return prod(self.shape[2:])
 
 
 @dataclass(frozen=True)
@@ -55,6 +91,15 @@ class DirectConvDesc:
     out_dtypes: tuple = ()
     node_dtypes: tuple = ()
     inline_consts: dict = field(default_factory=dict)
+    squeeze: Squeeze | None = None     # a fused global-average-pool squeeze (layers/conv_squeeze.py)
+    excite: Excite | None = None       # a fused excitation multiply (matrix-vector convs only)
+
+    def extra_outputs(self) -> tuple:
+        """``(name, shape, dtype)`` of the values stored besides ``outputs`` (squeeze rows, the
+        excitation), in kernel parameter order after the outputs."""
+        sq, ex = self.squeeze, self.excite
+        rows = tuple(zip(sq.outputs, sq.out_shapes, sq.out_dtypes)) if sq is not None else ()
+        return rows + (((ex.output, ex.shape, ex.dtype),) if ex is not None else ())
 
     # the GEMM view's sizes, for flop counts in profiles and plan text
     @property
@@ -97,9 +142,11 @@ def is_matvec(g: ConvGeom) -> bool:
     return g.h == g.w == g.kh == g.kw == g.oh == g.ow == 1
 
 
-def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr) -> list:
+def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr, at: L.Expr | None = None,
+              env_out: dict | None = None) -> list:
     """Statements computing the epilogue chain on ``acc`` (the conv's value at output row
-    ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs."""
+    ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs
+    (at ``at`` instead of the output element's index when given: the flat form's scratch)."""
     from apollo_py.codegen.scalar_ops import scalar_op
     f32 = "float32"
     stmts = [L.Local("v_head", f32, acc)]
@@ -111,8 +158,30 @@ def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Exp
         e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
         stmts.append(L.Local(f"v{q}", e.dtype, e))
         env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
-    lin = row * (d.conv.oh * d.conv.ow) + col
+    if env_out is not None:
+        env_out.update(env)
+    lin = row * (d.conv.oh * d.conv.ow) + col if at is None else at
     return stmts + [L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)]
+
+
+def _squeeze(d: DirectConvDesc, outs, sq_outs, t: L.Expr) -> list:
+    """Statements summing output plane ``t`` of the squeezed value (just stored into its output
+    buffer, so the reads hit cache) in 16 lanes, applying the squeeze's row-space nodes and
+    storing its row values at index ``t``; none without a squeeze."""
+    sq = d.squeeze
+    if sq is None:
+        return []
+    from apollo_py.codegen.scalar_ops import scalar_op
+    from apollo_py.codegen.templates import lane_reduce
+    ohw = d.conv.oh * d.conv.ow
+    src = outs[d.outputs.index(sq.value)]
+    stmts, acc = lane_reduce("sq", "sum", "float32", 0, ohw, lambda r: L.Load(src, t * ohw + r))
+    env: dict = {sq.reduce: acc, **sq.inline_consts}
+    for q, n in enumerate(sq.nodes):
+        e = scalar_op(n, [env[v] for v in n.inputs], [], sq.node_dtypes[q])
+        stmts.append(L.Local(f"sq{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"sq{q}", e.dtype)
+    return stmts + [L.Store(sq_outs[q], t, env[v]) for q, v in enumerate(sq.outputs)]
 
 
 def _matvec_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
@@ -126,8 +195,17 @@ def _matvec_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
     xb = L.Var("img") * g.c + (L.Var("co") // cgo) * cgi
     stmts, acc = lane_reduce("acc", "sum", "float32", 0, cgi,
                              lambda r: L.Load(w, L.Var("co") * cgi + r) * L.Load(x, xb + r))
-    body = L.block(*head, *stmts, *_epilogue(d, acc, ops, outs, t, L.Const(0)))
-    return L.Kernel(d.name, (w, x, *ops, *outs), L.for_("t", 0, g.n * d.cout, body, "parallel"),
+    env: dict = {}
+    body = [*head, *stmts, *_epilogue(d, acc, ops, outs, t, L.Const(0), env_out=env)]
+    extra = []
+    if d.excite is not None:
+        ex = d.excite
+        src = ops[[o.value for o in d.operands].index(ex.operand)]
+        extra = [L.Param("excite", ex.dtype, prod(ex.shape))]
+        jv = L.Var("j")
+        body.append(L.for_("j", 0, ex.hw, L.Store(extra[0], t * ex.hw + jv,
+                                                  L.Load(src, t * ex.hw + jv) * env[ex.value]), "vector"))
+    return L.Kernel(d.name, (w, x, *ops, *outs, *extra), L.for_("t", 0, g.n * d.cout, L.block(*body), "parallel"),
                     "t", g.n * d.cout)
 
 
@@ -145,8 +223,10 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
     if is_matvec(g):
         return _matvec_kernel(d, w, x, ops, outs)
+    sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
+               enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
-        return _padded_kernel(d, w, x, ops, outs)
+        return _padded_kernel(d, w, x, ops, outs, sq_outs)
     V = L.Var
     f32 = "float32"
     zero = L.Const(0.0, f32)
@@ -191,9 +271,10 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
         L.Local("co", "int64", t % d.cout),
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * hw),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
-        L.for_("oh", 0, g.oh, row_loop, "serial"))
+        L.for_("oh", 0, g.oh, row_loop, "serial"),
+        *_squeeze(d, outs, sq_outs, t))
     loops = L.for_("t", 0, g.n * d.cout, plane, "parallel")
-    return L.Kernel(d.name, (w, x, *ops, *outs), loops, "t", g.n * d.cout)
+    return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
 def _tree_sum(terms: list, chains: int = 4) -> L.Expr:
@@ -215,7 +296,81 @@ def padded_plane(g: ConvGeom) -> tuple[int, int]:
             (g.ow - 1) * g.strides[1] + (g.kw - 1) * g.dilations[1] + 1)
 
 
-def _padded_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
+def flat_form(d: DirectConvDesc) -> bool:
+    """Whether the padded kernel runs its tap sum as one vector loop over the flattened padded
+    plane (equal strides -- above 1 split into phase sub-planes, :func:`_phase_split`;
+    epilogue operands constant along H, W; float epilogue values).
+
+    A row loop of OW iterations is vectorised by LLVM at the widest factor dividing into it:
+    4 lanes at OW = 28, 2 or none at 14 and 7 -- where MobileNet / EfficientNet keep most of
+    their channels.  Flattened, output ``(oh, ow)`` is element ``oh * PW + ow`` of a loop
+    over ``(OH - 1) * PW + OW`` points (``PW`` the padded row pitch) whose loads stay affine
+    (``x_pad[j * s + kh * dh * PW + kw * dw]``): full vectors whatever OW is, at the cost of
+    computing ``PW - OW`` padding columns per row, which the row copies after it skip.  The
+    input scratch and one flat scratch per output must fit :data:`SCRATCH_BYTES` together."""
+    g = d.conv
+    s = g.strides[0]
+    plane = s * s * prod(phase_plane(g)) if s > 1 else prod(padded_plane(g))
+    if s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
+        return False
+    if any(any(s != 1 for s in o.shape[-2:]) for o in d.operands if len(o.shape) >= 2):
+        return False
+    return all(L.is_float(L.compute_dtype(dt)) for dt in (*d.node_dtypes, *d.out_dtypes))
+
+
+def phase_plane(g: ConvGeom) -> tuple[int, int]:
+    """Rows and columns of one phase sub-plane of a stride-``s`` conv's padded input plane:
+    ``ceil(rows / s)`` by ``ceil(columns / s)``; there are ``s * s`` of them per channel."""
+    prow, pcol = padded_plane(g)
+    s = g.strides[0]
+    return -(-prow // s), -(-pcol // s)
+
+
+def _phase_split(d: DirectConvDesc, x):
+    """``(scratch, copy, tap sum, row pitch)`` of the flat form at stride ``s > 1``.
+
+    Padded row ``r``, column ``c`` of channel ``ci`` is stored in phase sub-plane
+    ``(ci, r % s, c % s)`` at ``(r // s, c // s)``: a tap ``(kh, kw)`` of output ``(oh, ow)``
+    reads row ``oh*s + kh*dh`` and column ``ow*s + kw*dw``, i.e. sub-plane
+    ``(kh*dh % s, kw*dw % s)`` at ``(oh + kh*dh // s, ow + kw*dw // s)`` -- unit stride in the
+    flat index ``oh * Q + ow`` (``Q`` the sub-plane's width).  The copy reads each input element
+    once with stride ``s``; without the split every tap read with stride ``s`` (shuffles)."""
+    g = d.conv
+    cgi = g.c // g.group
+    s = g.strides[0]
+    ph, pw = g.pads
+    dh, dw = g.dilations
+    rq, q = phase_plane(g)
+    V = L.Var
+    f32 = "float32"
+    zero = L.Const(0.0, f32)
+    pad = L.Alloc("xpad", f32, cgi * s * s * rq * q)
+    per_row = []
+    for pr in range(s):
+        dst_row = ((V("ci") * s + pr) * s) * rq + V("i")
+        body = [L.Local(f"ih{pr}", "int64", V("i") * s + (pr - ph)),
+                L.Local(f"rowok{pr}", "bool", L.land(L.ge(V(f"ih{pr}"), 0), L.lt(V(f"ih{pr}"), g.h))),
+                L.Local(f"src{pr}", "int64", V("xbase") + (V("ci") * g.h + L.minimum(L.maximum(V(f"ih{pr}"), 0),
+                                                                                      g.h - 1)) * g.w)]
+        for pc in range(s):
+            dst = (dst_row + pc * rq) * q
+            # sub-plane columns jc whose input column jc*s + pc - pw lies in [0, W)
+            lo = min(q, max(0, -(-(pw - pc) // s)))
+            hi = min(q, max(lo, -(-(g.w + pw - pc) // s)))
+            body += [L.for_("jc", 0, lo, L.Store(pad, dst + V("jc"), zero), "vector"),
+                     L.for_("jc", lo, hi, L.Store(pad, dst + V("jc"), L.Select(
+                         V(f"rowok{pr}", "bool"), L.Load(x, V(f"src{pr}") + V("jc") * s + (pc - pw)), zero)), "vector"),
+                     L.for_("jc", hi, q, L.Store(pad, dst + V("jc"), zero), "vector")]
+        per_row.append(L.block(*body))
+    copy = L.for_("ci", 0, cgi, L.for_("i", 0, rq, L.block(*per_row)))
+    j = V("j")
+    acc = _tree_sum([L.Load(pad, (((ci * s + kh * dh % s) * s + kw * dw % s) * rq + kh * dh // s) * q
+                            + kw * dw // s + j) * V(f"w{ci}_{kh}_{kw}", f32)
+                     for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+    return pad, copy, acc, q
+
+
+def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
     """Per output plane: copy the group's input planes into a zero-padded scratch (zero runs and
     one contiguous copy per row), then every output row is one vector loop of affine scratch
     loads -- no border cases, no per-element tests; the tap weights are scalars hoisted out of
@@ -244,19 +399,36 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
         L.for_("c", mid_hi, pcol, L.Store(pad, dst + V("c"), zero), "vector"))))
     weights = [L.Local(f"w{ci}_{kh}_{kw}", f32, L.Load(w, V("wbase") + ((ci * g.kh + kh) * g.kw + kw)))
                for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)]
-    acc = _tree_sum([L.Load(pad, (ci * prow + oh * sh + kh * dh) * pcol + ow * sw + kw * dw)
-                     * V(f"w{ci}_{kh}_{kw}", f32)
-                     for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
-    rows = L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*_epilogue(d, acc, ops, outs, t, oh * g.ow + ow)),
-                                        "vector"))
+    allocs = [pad]
+    if flat_form(d):
+        j = V("j")
+        if sw == 1:
+            nflat = (g.oh - 1) * pcol + g.ow
+            acc = _tree_sum([L.Load(pad, (ci * prow + kh * dh) * pcol + kw * dw + j) * V(f"w{ci}_{kh}_{kw}", f32)
+                             for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+        else:
+            pad, copy, acc, pcol = _phase_split(d, x)
+            allocs = [pad]
+            nflat = (g.oh - 1) * pcol + g.ow
+        tmps = [L.Alloc(f"yflat{q}", dt, nflat) for q, dt in enumerate(d.out_dtypes)]
+        allocs += tmps
+        copies = [L.Store(o, t * (g.oh * g.ow) + oh * g.ow + ow, L.Load(y, oh * pcol + ow)) for o, y in zip(outs, tmps)]
+        rows = L.block(L.for_("j", 0, nflat, L.block(*_epilogue(d, acc, ops, tmps, t, L.Const(0), at=j)), "vector"),
+                       L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*copies), "vector")))
+    else:
+        acc = _tree_sum([L.Load(pad, (ci * prow + oh * sh + kh * dh) * pcol + ow * sw + kw * dw)
+                         * V(f"w{ci}_{kh}_{kw}", f32)
+                         for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)])
+        rows = L.for_("oh", 0, g.oh, L.for_("ow", 0, g.ow, L.block(*_epilogue(d, acc, ops, outs, t, oh * g.ow + ow)),
+                                            "vector"))
     plane = L.block(
         L.Local("img", "int64", t // d.cout),
         L.Local("co", "int64", t % d.cout),
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * (g.h * g.w)),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
-        copy, *weights, rows)
-    loops = L.block(pad, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
-    return L.Kernel(d.name, (w, x, *ops, *outs), loops, "t", g.n * d.cout)
+        copy, *weights, rows, *_squeeze(d, outs, sq_outs, t))
+    loops = L.block(*allocs, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
+    return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
 class CompiledDirectConv:
@@ -269,7 +441,13 @@ class CompiledDirectConv:
         self.ir = getattr(compiled, "ir", "")
 
     def run(self, pool, w: np.ndarray, x: np.ndarray, operands, outputs) -> None:
-        pool.run(self.kernel, [w, x, *operands, *outputs])
+        g = self.desc.conv
+        # a matrix-vector product runs on the calling thread up to MATVEC_CHUNK_MACS per chunk:
+        # the squeeze-excitation products (10-60K multiply-adds, a few microseconds) cost more
+        # to hand to the pool's threads than to compute
+        work = g.c // g.group + (2 * self.desc.excite.hw if self.desc.excite is not None else 0)
+        chunk = -(-MATVEC_CHUNK_MACS // work) if is_matvec(g) else 1
+        pool.run(self.kernel, [w, x, *operands, *outputs], min_chunk=chunk)
 
 
 def compile_direct_conv(d: DirectConvDesc, cache_dir: str | None = None) -> CompiledDirectConv:

@@ -52,7 +52,10 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
     from ..deadline import check as check_deadline
     steps: list[StepSpec] = []
     base_options = options
+    skip: set = set()
     for gi, group in enumerate(groups):
+        if gi in skip:      # lowered with the group before it (a conv's fused squeeze)
+            continue
         check_deadline("layer 1 fusion", lambda: _micro_graph_label(micro_graphs, group))
         if progress is not None:
             progress.step(len(group))
@@ -99,6 +102,18 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 steps.extend(_fuse(prologue, i0, o0, graph, options, tuple(group), members))
             else:
                 epilogue = prologue + epilogue
+            sq = _squeeze_next(gi, head[0], epilogue, groups, micro_graphs, graph, reads_after, options)
+            if sq is not None:
+                steps.append(sq)
+                skip.add(gi + 1)
+                continue
+            if epilogue and options.target == "cpu":
+                # rule 6 puts an SE block's excitation mul into the gate's conv micro-graph
+                from .conv_squeeze import fuse_excite
+                sq = fuse_excite(head[0], list(epilogue[:-1]), [epilogue[-1]], graph, later, options, tuple(group))
+                if sq is not None:
+                    steps.append(sq)
+                    continue
             from .gemm_lowering import gemm_spec
             spec, epilogue, why = gemm_spec(head[0], list(epilogue), graph, later, options, tuple(group))
             if spec is not None:
@@ -158,6 +173,23 @@ def stitch_key(group, micro_graphs, types) -> str:
     """Tuning piece key of a layer-2 stitch group (its micro-graphs' nodes)."""
     from ..tuning.db import piece_key
     return piece_key("stitch", [n for k in group for n in micro_graphs[k].nodes], types)
+
+
+def _squeeze_next(gi: int, head, epilogue, groups, micro_graphs, graph: Graph, reads_after, options: Options):
+    """The conv step of group ``gi`` with the next group's global-average-pool squeeze or
+    excitation multiply fused into it (layers/conv_squeeze.py), or None."""
+    if gi + 1 >= len(groups) or options.target != "cpu":
+        return None
+    nxt = groups[gi + 1]
+    if any(micro_graphs[k].kind not in ("reduction", "elementwise", "broadcast") for k in nxt):
+        return None
+    from .conv_squeeze import fuse_excite, fuse_squeeze
+    nodes = [n for k in nxt for n in micro_graphs[k].nodes]
+    for fuse in (fuse_squeeze, fuse_excite):
+        spec = fuse(head, list(epilogue), nodes, graph, reads_after[gi + 1], options, (*groups[gi], *nxt))
+        if spec is not None:
+            return spec
+    return None
 
 
 def _micro_graph_label(micro_graphs, group) -> str:

@@ -81,7 +81,12 @@ class GemmStep:
                              f"got {a.dtype}, {b.dtype}")
         ops = [arr(o.value) for o in d.operands]
         outs = [np.empty(getattr(d, "stored_shape", d.out_shape), dt) for dt in d.out_dtypes]
+        names = tuple(getattr(d, "stored_as", ()) or d.outputs)
+        # a direct conv's fused squeeze rows / excitation (codegen/conv_direct.py)
+        for v, s, dt in (d.extra_outputs() if hasattr(d, "extra_outputs") else ()):
+            outs.append(np.empty(s, dt))
+            names += (v,)
         if prod(d.out_shape):
             self.compiled.run(pool, a, b, ops, outs)
-        for v, o in zip(getattr(d, "stored_as", ()) or d.outputs, outs):
+        for v, o in zip(names, outs):
             env[v] = o

@@ -59,3 +59,58 @@ def ort_run(model, feeds: dict):
     so.intra_op_num_threads = 1
     s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return s.run(None, feeds)
+
+
+def se_block_model(x_shape, k=3, stride=1, act="SiLU", gate="Sigmoid", mean="ReduceMean", reduce=4, seed=0,
+                   opset=17, expose_pool=False):
+    """A mobile inverted-residual tail: depthwise ``k x k`` conv (bias) -> ``act`` -> squeeze-excitation
+    (global average pool spelt ``mean`` -- "ReduceMean", "GlobalAveragePool", or "SumDiv" for the torch
+    dynamo form ``ReduceSum / (H*W)`` -- 1x1 conv, ReLU or ``act``, 1x1 conv, ``gate``) -> ``a * gate``.
+
+    ``act``: "SiLU", "HardSwish", "Relu"; ``gate``: "Sigmoid" or "HardSigmoid".  ``expose_pool`` adds
+    the pooled vector as a second graph output."""
+    rng = np.random.default_rng(seed)
+    c = x_shape[1]
+    cr = max(1, c // reduce)
+    p = k // 2
+    inits = [numpy_helper.from_array((rng.standard_normal((c, 1, k, k)) * 0.3).astype(np.float32), "Wd"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "Bd"),
+             numpy_helper.from_array((rng.standard_normal((cr, c, 1, 1)) / np.sqrt(c)).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.standard_normal(cr).astype(np.float32) * 0.1, "B1"),
+             numpy_helper.from_array((rng.standard_normal((c, cr, 1, 1)) / np.sqrt(cr)).astype(np.float32), "W2"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32) * 0.1, "B2")]
+    nodes = [helper.make_node("Conv", ["x", "Wd", "Bd"], ["d"], strides=[stride, stride], pads=[p, p, p, p],
+                              group=c)]
+
+    def activation(src, dst, kind):
+        if kind == "SiLU":
+            return [helper.make_node("Sigmoid", [src], [dst + "_sg"]), helper.make_node("Mul", [src, dst + "_sg"], [dst])]
+        return [helper.make_node(kind, [src], [dst])]
+
+    nodes += activation("d", "a", act)
+    if mean == "ReduceMean":
+        nodes.append(helper.make_node("ReduceMean", ["a"], ["pool"], axes=[2, 3], keepdims=1))
+    elif mean == "GlobalAveragePool":
+        nodes.append(helper.make_node("GlobalAveragePool", ["a"], ["pool"]))
+    else:
+        inits += [numpy_helper.from_array(np.array([2, 3], np.int64), "axes"),
+                  numpy_helper.from_array(np.array(0, np.float32), "hw")]
+        nodes += [helper.make_node("ReduceSum", ["a", "axes"], ["psum"], keepdims=1),
+                  helper.make_node("Shape", ["a"], ["shp"]),
+                  helper.make_node("Gather", ["shp", "hw_idx"], ["hwd"], axis=0),
+                  helper.make_node("ReduceProd", ["hwd"], ["hwp"], keepdims=0),
+                  helper.make_node("Cast", ["hwp"], ["hwf"], to=TensorProto.FLOAT),
+                  helper.make_node("Div", ["psum", "hwf"], ["pool"])]
+        inits = [i for i in inits if i.name != "hw"]
+        inits.append(numpy_helper.from_array(np.array([2, 3], np.int64), "hw_idx"))
+    nodes.append(helper.make_node("Conv", ["pool", "W1", "B1"], ["s1"]))
+    nodes += activation("s1", "s1a", "Relu" if act == "HardSwish" else act)
+    nodes.append(helper.make_node("Conv", ["s1a", "W2", "B2"], ["s2"]))
+    nodes.append(helper.make_node(gate, ["s2"], ["g"]))
+    nodes.append(helper.make_node("Mul", ["a", "g"], ["y"]))
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if expose_pool:
+        outs.append(helper.make_tensor_value_info("pool", TensorProto.FLOAT, None))
+    g = helper.make_graph(nodes, "se", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                          outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])

@@ -27,6 +27,11 @@ CASES = {
                                                          act="Sigmoid")),
     "dw7_convnext": ((1, 16, 7, 7), (16, 1, 7, 7), dict(pads=(3, 3, 3, 3), group=16)),
     "dw3_nopad_narrow": ((1, 4, 3, 20), (4, 1, 3, 3), dict(group=4, bias=False)),
+    # strided flat form (phase sub-planes): stride 2 with dilation and asymmetric pads, stride 3
+    "dw3_s2_dil2_asym": ((1, 6, 17, 14), (6, 1, 3, 3), dict(strides=(2, 2), pads=(1, 2, 0, 1), dilations=(2, 2),
+                                                            group=6, act="SiLU")),
+    "dw4_s3": ((2, 5, 16, 19), (5, 1, 4, 4), dict(strides=(3, 3), pads=(1, 1, 2, 2), group=5, act="HardSwish")),
+    "grouped_s2": ((1, 8, 11, 11), (8, 2, 3, 3), dict(strides=(2, 2), pads=(1, 1, 1, 1), group=4, bn=True)),
     # channel multiplier 2 (Cout = 2 * Cin), grouped with 3 channels per group, strided + dilated
     "dw_mult2": ((1, 4, 9, 9), (8, 1, 3, 3), dict(pads=(1, 1, 1, 1), group=4, act="Relu")),
     "grouped": ((1, 12, 15, 17), (24, 3, 3, 3), dict(strides=(2, 1), pads=(1, 0, 2, 1), dilations=(2, 1), group=4,
