@@ -1,0 +1,85 @@
+"""Direct pooling kernels (layers/pool_kernel.py) and 1-d convs on the generated conv paths
+(layers/gemm_lowering.conv_shapes_2d), against onnxruntime."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import apollo_py
+from apollo_py import Options
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import conv_model, ort_run  # noqa: E402
+
+
+def _pool_model(x_shape, op, pre=None, post=None, **attrs):
+    """``x [-> Add bias -> Relu] -> MaxPool|AveragePool [-> Mul s -> Sigmoid]``."""
+    rng = np.random.default_rng(0)
+    c = x_shape[1]
+    inits, nodes, cur = [], [], "x"
+    bshape = (c,) + (1,) * (len(x_shape) - 2)
+    if pre:
+        inits.append(numpy_helper.from_array(rng.standard_normal(bshape).astype(np.float32), "b"))
+        nodes += [helper.make_node("Add", [cur, "b"], ["xa"]), helper.make_node("Relu", ["xa"], ["xr"])]
+        cur = "xr"
+    nodes.append(helper.make_node(op, [cur], ["p"], **attrs))
+    cur = "p"
+    if post:
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, bshape).astype(np.float32), "s"))
+        nodes += [helper.make_node("Mul", [cur, "s"], ["pm"]), helper.make_node("Sigmoid", ["pm"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    g = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+POOLS = {
+    # ResNet stem: bias + relu + 3x3 s2 max pool, pads 1
+    "stem_max": ((1, 8, 22, 23), "MaxPool", True, False, dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "max_asym_dil": ((2, 3, 13, 11), "MaxPool", False, True, dict(kernel_shape=[3, 2], strides=[1, 2],
+                                                                  pads=[2, 0, 1, 1], dilations=[2, 1])),
+    "max_ceil": ((1, 4, 9, 10), "MaxPool", True, False, dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    "avg_pad_excl": ((1, 5, 10, 9), "AveragePool", False, False, dict(kernel_shape=[3, 3], strides=[2, 2],
+                                                                      pads=[1, 1, 1, 1])),
+    "avg_pad_incl": ((1, 5, 10, 9), "AveragePool", True, True, dict(kernel_shape=[3, 3], strides=[1, 1],
+                                                                    pads=[1, 1, 1, 1], count_include_pad=1)),
+    "max1d": ((2, 6, 31), "MaxPool", True, False, dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+    "avg1d": ((1, 4, 20), "AveragePool", False, True, dict(kernel_shape=[4], strides=[3], pads=[0, 2])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POOLS))
+def test_pool_kernel_matches_onnxruntime(case):
+    xs, op, pre, post, attrs = POOLS[case]
+    m = _pool_model(xs, op, pre, post, **attrs)
+    x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    got, want = f(x=x), ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    pools = [k for k in f.plan.kernels if k.fused is not None and k.fused.strategy == "pool"]
+    assert len(pools) == 1, str(f.plan)
+
+
+CONV1D = {
+    # Whisper's encoder stem: k3 pad 1, then k3 stride 2 (smaller length here)
+    "whisper1": ((1, 16, 60), (24, 16, 3), dict(pads=(1, 1), strides=(1,), dilations=(1,))),
+    "whisper2_s2": ((1, 24, 60), (24, 24, 3), dict(pads=(1, 1), strides=(2,), dilations=(1,))),
+    "dil_asym_relu": ((2, 5, 37), (7, 5, 4), dict(pads=(3, 1), strides=(1,), dilations=(2,), act="Relu")),
+    "grouped_depthwise": ((1, 8, 29), (8, 1, 5), dict(pads=(2, 2), strides=(1,), dilations=(1,), group=8)),
+    "k1": ((1, 12, 17), (10, 12, 1), dict(pads=(0, 0), strides=(1,), dilations=(1,), act="Sigmoid")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV1D))
+def test_conv1d_generated(case):
+    xs, ws, kw = CONV1D[case]
+    m = conv_model(xs, ws, **kw)
+    x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    got, want = f(x=x), ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert not any(k.gemm is None and k.fused is None and k.blas is None for k in f.plan.kernels), str(f.plan)
+    assert sum(k.gemm is not None for k in f.plan.kernels) == 1, str(f.plan)
