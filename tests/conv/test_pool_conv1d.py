@@ -83,3 +83,44 @@ def test_conv1d_generated(case):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     assert not any(k.gemm is None and k.fused is None and k.blas is None for k in f.plan.kernels), str(f.plan)
     assert sum(k.gemm is not None for k in f.plan.kernels) == 1, str(f.plan)
+
+
+def _convt_model(x_shape, w_shape, bias=True, **attrs):
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(w_shape) * 0.3).astype(np.float32), "W")]
+    ins = ["x", "W"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(w_shape[1] * attrs.get("group", 1))
+                                             .astype(np.float32), "B"))
+        ins.append("B")
+    g = helper.make_graph([helper.make_node("ConvTranspose", ins, ["c"], **attrs),
+                           helper.make_node("Relu", ["c"], ["y"])], "convt",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+CONVT = {
+    # kernel == stride, no pads: one 1x1 conv + reshape / transpose (ops/compound_conv.py)
+    "unet_2x2_s2": ((1, 16, 9, 7), (16, 8, 2, 2), dict(strides=[2, 2]), True),
+    "k3_s3_nobias": ((2, 5, 4, 6), (5, 3, 3, 3), dict(strides=[3, 3]), True),
+    "k2x3_s2x3": ((1, 4, 5, 5), (4, 6, 2, 3), dict(strides=[2, 3]), True),
+    "1d_k4_s4": ((1, 6, 11), (6, 5, 4), dict(strides=[4]), True),
+    # the general decomposition (zero interleave)
+    "k3_s2_pad": ((1, 6, 7, 8), (6, 4, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1]), False),
+    "k2_s2_grouped": ((1, 8, 5, 5), (8, 3, 2, 2), dict(strides=[2, 2], group=2), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONVT))
+def test_conv_transpose_matches_onnxruntime(case):
+    xs, ws, attrs, unpool = CONVT[case]
+    m = _convt_model(xs, ws, bias=case != "k3_s3_nobias", **attrs)
+    x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    got, want = f(x=x), ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    gemms = [k for k in f.plan.kernels if k.gemm is not None]
+    assert len(gemms) == 1, str(f.plan)
+    # the kernel == stride form multiplies no zeros: a 1x1 conv of the input itself
+    assert (gemms[0].gemm.k == xs[1] // attrs.get("group", 1)) == unpool, gemms[0].reason
