@@ -5,35 +5,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 import apollo_py
 from apollo_py import Options
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import conv_model, ort_run  # noqa: E402
-
-
-def _pool_model(x_shape, op, pre=None, post=None, **attrs):
-    """``x [-> Add bias -> Relu] -> MaxPool|AveragePool [-> Mul s -> Sigmoid]``."""
-    rng = np.random.default_rng(0)
-    c = x_shape[1]
-    inits, nodes, cur = [], [], "x"
-    bshape = (c,) + (1,) * (len(x_shape) - 2)
-    if pre:
-        inits.append(numpy_helper.from_array(rng.standard_normal(bshape).astype(np.float32), "b"))
-        nodes += [helper.make_node("Add", [cur, "b"], ["xa"]), helper.make_node("Relu", ["xa"], ["xr"])]
-        cur = "xr"
-    nodes.append(helper.make_node(op, [cur], ["p"], **attrs))
-    cur = "p"
-    if post:
-        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, bshape).astype(np.float32), "s"))
-        nodes += [helper.make_node("Mul", [cur, "s"], ["pm"]), helper.make_node("Sigmoid", ["pm"], ["y"])]
-    else:
-        nodes.append(helper.make_node("Identity", [cur], ["y"]))
-    g = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+from models import conv_model, convt_model, ort_run, pool_model  # noqa: E402
 
 
 POOLS = {
@@ -54,7 +31,7 @@ POOLS = {
 @pytest.mark.parametrize("case", sorted(POOLS))
 def test_pool_kernel_matches_onnxruntime(case):
     xs, op, pre, post, attrs = POOLS[case]
-    m = _pool_model(xs, op, pre, post, **attrs)
+    m = pool_model(xs, op, pre, post, **attrs)
     x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
     f = apollo_py.jit(m, options=Options(num_threads=2))
     got, want = f(x=x), ort_run(m, {"x": x})[0]
@@ -85,21 +62,6 @@ def test_conv1d_generated(case):
     assert sum(k.gemm is not None for k in f.plan.kernels) == 1, str(f.plan)
 
 
-def _convt_model(x_shape, w_shape, bias=True, **attrs):
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal(w_shape) * 0.3).astype(np.float32), "W")]
-    ins = ["x", "W"]
-    if bias:
-        inits.append(numpy_helper.from_array(rng.standard_normal(w_shape[1] * attrs.get("group", 1))
-                                             .astype(np.float32), "B"))
-        ins.append("B")
-    g = helper.make_graph([helper.make_node("ConvTranspose", ins, ["c"], **attrs),
-                           helper.make_node("Relu", ["c"], ["y"])], "convt",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-
-
 CONVT = {
     # kernel == stride, no pads: one 1x1 conv + reshape / transpose (ops/compound_conv.py)
     "unet_2x2_s2": ((1, 16, 9, 7), (16, 8, 2, 2), dict(strides=[2, 2]), True),
@@ -115,7 +77,7 @@ CONVT = {
 @pytest.mark.parametrize("case", sorted(CONVT))
 def test_conv_transpose_matches_onnxruntime(case):
     xs, ws, attrs, unpool = CONVT[case]
-    m = _convt_model(xs, ws, bias=case != "k3_s3_nobias", **attrs)
+    m = convt_model(xs, ws, bias=case != "k3_s3_nobias", **attrs)
     x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
     f = apollo_py.jit(m, options=Options(num_threads=2))
     got, want = f(x=x), ort_run(m, {"x": x})[0]
