@@ -5,9 +5,11 @@
 
 Shapes: single convs (dense 3x3 / 1x1 / 7x7 stem, strided, depthwise 3x3 / 5x5 / 7x7, grouped,
 the squeeze-excitation 1x1 conv of a 1x1 image), each with BatchNormalization and an activation
-after it, as ONNX models built here.  Models: a ResNet-18-like network built here (Conv +
+after it, as ONNX models built here; then the other conv-model steps (``EXTRA``: ResNet's stem
+max pool with its bias + ReLU, an average pool, U-Net's 2x2 / stride 2 ConvTranspose, Whisper's
+two Conv1d).  Models: a ResNet-18-like network built here (Conv +
 BatchNormalization + Relu, basic blocks, max pool, global average pool, Gemm; 1x3x224x224) and
-ResNet-50, MobileNetV3-large and EfficientNet-B0 from the zoo directory (benchmarks/zoo/export.py;
+ResNet-50, MobileNetV3-large, EfficientNet-B0, RegNetY-1.6GF, U-Net and Whisper-tiny's encoder from the zoo directory (benchmarks/zoo/export.py;
 default ``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apollo_py_zoo``) when present.
 
 Each row: apollo_py (``Options(num_threads=N)``) and onnxruntime (all graph optimisations,
@@ -47,7 +49,21 @@ SHAPES = {
     "se_960to240": ((1, 960, 1, 1), (240, 960, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
 }
 
-ZOO_MODELS = ("resnet50.dynamo.onnx", "mobilenetv3_large.dynamo.onnx", "efficientnet_b0.dynamo.onnx")
+# name -> (builder in tests/conv/models.py, input shape, arguments): the non-GEMM conv-model steps
+EXTRA = {
+    "maxpool_stem_bias_relu": ("pool_model", (1, 64, 112, 112),
+                               ("MaxPool", True, False), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "avgpool_3x3_s1_256_14": ("pool_model", (1, 256, 14, 14),
+                              ("AveragePool", False, False), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    "convT_unet_2x2_s2_128": ("convt_model", (1, 128, 32, 32), ((128, 64, 2, 2),), dict(strides=[2, 2])),
+    "conv1d_whisper_80to384": ("conv_model", (1, 80, 3000), ((384, 80, 3),),
+                               dict(strides=(1,), pads=(1, 1), dilations=(1,))),
+    "conv1d_whisper_s2_384": ("conv_model", (1, 384, 3000), ((384, 384, 3),),
+                              dict(strides=(2,), pads=(1, 1), dilations=(1,))),
+}
+
+ZOO_MODELS = ("resnet50.dynamo.onnx", "mobilenetv3_large.dynamo.onnx", "efficientnet_b0.dynamo.onnx",
+              "regnety_016.dynamo.onnx", "unet.dynamo.onnx", "whisper_tiny_encoder.dynamo.onnx")
 
 
 def _load() -> str:
@@ -117,6 +133,13 @@ def _shape_model(spec):
     return conv_model(xs, ws, strides=st, pads=pd, group=group, bn=True, act=act)
 
 
+def _extra_model(spec):
+    sys.path.insert(0, str(HERE.parent / "tests" / "conv"))
+    import models
+    builder, xs, args, kw = spec
+    return getattr(models, builder)(xs, *args, **kw)
+
+
 def bench(name: str, model, feeds: dict, threads: int, rounds: int, cache_dir: str) -> dict:
     import apollo_py
     from apollo_py import Options
@@ -135,7 +158,9 @@ def bench(name: str, model, feeds: dict, threads: int, rounds: int, cache_dir: s
     kinds: dict = {}
     for k in f.plan.kernels:
         key = ("direct conv" if "direct conv" in k.reason else "implicit GEMM" if "implicit-GEMM" in k.reason
-               else "blas" if k.blas is not None else "kernel" if k.fused is not None else "numpy")
+               else "blas" if k.blas is not None
+               else "pool kernel" if k.fused is not None and k.fused.strategy == "pool"
+               else "kernel" if k.fused is not None else "numpy")
         kinds[key] = kinds.get(key, 0) + 1
     return {"name": name, "apollo_ms": ms["apollo"], "ort_ms": ms["ort"], "ratio": ms["apollo"] / ms["ort"],
             "rel_err": err, "compile_s": compile_s, "steps": kinds}
@@ -172,6 +197,10 @@ def main(argv=None) -> int:
             if want(name):
                 x = rng.standard_normal(spec[0]).astype(np.float32)
                 rows.append(bench(name, _shape_model(spec), {"x": x}, args.threads, args.rounds, cache))
+        for name, spec in EXTRA.items():
+            if want(name):
+                x = rng.standard_normal(spec[1]).astype(np.float32)
+                rows.append(bench(name, _extra_model(spec), {"x": x}, args.threads, args.rounds, cache))
         _print(rows, f"single convs + BatchNorm + activation, batch 1, {args.threads} threads, "
                      f"median of {args.rounds} interleaved rounds")
         out["shapes"] = rows

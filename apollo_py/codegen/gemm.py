@@ -442,6 +442,12 @@ def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
     mg = -(-npan // MAX_PANELS)
+    if d.conv is not None and d.batch * njc * mg < want:
+        # a conv's B block is an im2col gather that every row group repeats: split the columns
+        # first (narrower blocks, the constant A panels re-read from cache instead)
+        npc = -(-d.n // bl.nr)
+        nc = -(-npc // min(npc, -(-want // (d.batch * mg)))) * bl.nr
+        njc = -(-d.n // nc)
     if d.batch * njc * mg < want:
         mg = max(mg, min(-(-want // (d.batch * njc)), npan // 4))
     ppg = -(-npan // mg)

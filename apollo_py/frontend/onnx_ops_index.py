@@ -158,11 +158,7 @@ def _conv_transpose(cx):
     if auto == "VALID":
         pads = [0] * (2 * nsp)
     pads = conv_transpose_pads(x.shape[2:], ks, strides, dil, opad, pads, out_shape, auto)
-    y = conv_transpose(cx.b, x, w, strides, pads, dil, opad, int(cx.attr("group", 1)))
-    bias = cx.x(2)
-    if bias is not None:
-        y = cx.b.add(y, C.reshape(cx.b, bias, (1, bias.shape[0]) + (1,) * nsp))
-    return y
+    return conv_transpose(cx.b, x, w, strides, pads, dil, opad, int(cx.attr("group", 1)), cx.x(2))
 
 
 @converter("Mod")

@@ -63,7 +63,8 @@ def _source_digest() -> str:
     paths = [os.path.join(here, sub, name) for sub in ("poly", "ops")
              for name in sorted(os.listdir(os.path.join(here, sub))) if name.endswith(".py")]
     paths += [os.path.join(here, rel) for rel in ("codegen/loopir.py", "layers/layer1.py", "layers/expand.py",
-                                                  "layers/fuse_store.py", "layers/fuse_memo.py")]
+                                                  "layers/fuse_store.py", "layers/fuse_memo.py",
+                                                  "layers/pool_kernel.py")]
     return files_digest(paths)
 
 

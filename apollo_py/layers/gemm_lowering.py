@@ -72,8 +72,8 @@ def _reason_blas(head: Node, types, options: Options, consts=frozenset()) -> str
         return f"{out.dtype} operands (the generated GEMM is float32 only)"
     if head.op == "conv":
         x, w = (types[v] for v in head.inputs)
-        if len(x.shape) != 4:
-            return f"{len(x.shape) - 2}-d conv (the implicit GEMM handles 2-d)"
+        if len(x.shape) not in (3, 4):
+            return f"{len(x.shape) - 2}-d conv (the implicit GEMM handles 1-d and 2-d)"
         return ""
     if options.gemm == "blas":
         return "Options.gemm='blas'"
@@ -125,6 +125,20 @@ def auto_choice(desc) -> str:
             "linear layers while OpenBLAS's threads lose 3-30x on the shared 2-core box")
 
 
+def conv_shapes_2d(head: Node, types) -> tuple:
+    """``(x shape, w shape, output shape, attrs)`` of conv ``head`` as a 2-d NCHW conv: a 1-d
+    conv ``[N, C, L]`` is the 2-d conv of the ``[N, C, 1, L]`` image (same memory, a unit row
+    with no padding), so Whisper's and other Conv1d stems take the generated paths too."""
+    xs, ws, os_ = (tuple(types[v].shape) for v in (*head.inputs[:2], head.outputs[0]))
+    if len(xs) != 3:
+        return xs, ws, os_, head.attrs
+    a = head.attrs
+    pads = tuple(a["pads"])
+    attrs = dict(a, strides=(1, *a["strides"]), dilations=(1, *a["dilations"]), pads=(0, pads[0], 0, pads[1]))
+    lift = (lambda s: (*s[:2], 1, *s[2:]))
+    return lift(xs), lift(ws), lift(os_), attrs
+
+
 def _direct_conv(head: Node, types, options: Options) -> str:
     """Why the direct kernel (codegen/conv_direct.py) runs conv ``head`` ("" = implicit GEMM):
     a grouped conv on the CPU whose per-output sum is at most ``MAX_TAPS`` terms, or a 1x1 conv
@@ -133,18 +147,18 @@ def _direct_conv(head: Node, types, options: Options) -> str:
     if head.op != "conv" or options.target in ("cuda", "cuda-emu"):
         return ""
     group = int(head.attrs["group"])
-    cg, kh, kw = types[head.inputs[1]].shape[1:]
-    if types[head.inputs[0]].shape[2:] == (1, 1) and (kh, kw) == (1, 1) \
-            and types[head.outputs[0]].shape[2:] == (1, 1):
+    xs, ws, os_, _ = conv_shapes_2d(head, types)
+    cg, kh, kw = ws[1:]
+    if xs[2:] == (1, 1) and (kh, kw) == (1, 1) and os_[2:] == (1, 1):
         return f"1x1 conv of a 1x1 image: matrix-vector product of {cg} terms per output"
-    cgo = types[head.inputs[1]].shape[0] // max(group, 1)
+    cgo = ws[0] // max(group, 1)
     # measured (interleaved, shared box at load ~20, direct / implicit-GEMM time): 3x3 convs
     # with 1, 2, 4 channels per group in and out 0.03, 0.03, 0.65; 8 in and out 1.22 -- the
     # GEMM's micro-tile fills once a group has 8 output rows sharing its packed input
     if group == 1 or cg * kh * kw > MAX_TAPS or cg * cgo >= 64:
         return ""
     kind = "depthwise" if cg == 1 else f"{group} groups of {cg} channels"
-    return f"{kind}, {cg * kh * kw} taps: an implicit GEMM per group would fill its micro-tile with {types[head.inputs[1]].shape[0] // group} row(s)"
+    return f"{kind}, {cg * kh * kw} taps: an implicit GEMM per group would fill its micro-tile with {cgo} row(s)"
 
 
 def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Options, group: tuple):
@@ -184,15 +198,19 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
                out_dtypes=tuple(types[v].dtype for v in outs), inline_consts=inline,
                node_dtypes=tuple(types[n.outputs[0]].dtype for n in fused))
     x, w = head.inputs
-    direct = _direct_conv(head, types, options)
-    if direct:
-        from ..codegen.conv_direct import direct_conv_desc
-        desc = direct_conv_desc(name.replace("gemm_", "dconv_", 1), types[x].shape, types[w].shape, shape,
-                                head.attrs, head.outputs[0], **epi)
-        what = f"direct conv (generated; {direct})"
-    elif head.op == "conv":
-        desc = conv_desc(name, types[x].shape, types[w].shape, shape, head.attrs, head.outputs[0], **epi)
-        what = "implicit-GEMM conv (generated)"
+    if head.op == "conv":
+        from dataclasses import replace
+        xs, ws, os_, attrs = conv_shapes_2d(head, types)
+        one_d = " (1-d conv as a 2-d conv of one row)" if len(shape) == 3 else ""
+        direct = _direct_conv(head, types, options)
+        if direct:
+            from ..codegen.conv_direct import direct_conv_desc
+            desc = direct_conv_desc(name.replace("gemm_", "dconv_", 1), xs, ws, os_, attrs, head.outputs[0], **epi)
+            what = f"direct conv{one_d} (generated; {direct})"
+        else:
+            desc = conv_desc(name, xs, ws, os_, attrs, head.outputs[0], **epi)
+            what = f"implicit-GEMM conv{one_d} (generated)"
+        desc = replace(desc, out_shape=shape)   # buffers and epilogue operands keep the graph's shape
     else:
         desc = matmul_desc(name, types[x].shape, types[w].shape, shape, head.outputs[0], a_value=x, b_value=w,
                            b_const=w in consts, **epi)

@@ -190,6 +190,18 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
         if len(nodes) == 1:
             return _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget=0)
         return _split(nodes, types, inputs, outputs, options, consts, mgs, base, out)
+    from .pool_kernel import pool_kernel
+    pooled = pool_kernel(nodes, types, inputs, outputs, consts, kname)
+    if pooled is not None:      # pooling with its elementwise neighbours: a direct kernel, no isl
+        loop, params = pooled
+        flops, nbytes = _estimate(nodes, types, params)
+        out.append(FusedKernel(
+            loop=loop, nodes=tuple(nodes), inputs=tuple(inputs), outputs=tuple(outputs),
+            param_values=tuple(params), signature=sig, parallel_dims=1, band_extents=(loop.parallel_extent,),
+            tile_sizes=(), flops=flops, bytes=nbytes, reduce_form=micro_graph_reduce_form(nodes, types),
+            strategy="pool", schedule_ms=0.0, total_ms=(time.perf_counter() - t0) * 1e3, micro_graphs=mgs,
+            consts=dict(consts)))
+        return
     try:
         expanded = expand_lower_rank(nodes, types, outputs) if len(nodes) > 1 else None
         strategy = ""

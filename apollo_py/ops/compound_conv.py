@@ -9,7 +9,7 @@ from __future__ import annotations
 from math import prod
 
 from ..errors import ShapeError
-from .compound import reshape, slice_
+from .compound import expand, reshape, slice_
 
 
 def conv_transpose_pads(in_spatial, kernel, strides, dilations, output_padding, pads=None,
@@ -32,8 +32,8 @@ def conv_transpose_pads(in_spatial, kernel, strides, dilations, output_padding, 
     return tuple(out)
 
 
-def conv_transpose(b, x, w, strides, pads, dilations, output_padding, group: int = 1):
-    """ONNX ConvTranspose without bias: x (N, C_in, sp...), w (C_in, C_out/group, k...)."""
+def conv_transpose(b, x, w, strides, pads, dilations, output_padding, group: int = 1, bias=None):
+    """ONNX ConvTranspose: x (N, C_in, sp...), w (C_in, C_out/group, k...), optional bias (C_out,)."""
     r = x.type.rank
     nsp = r - 2
     if nsp < 1 or w.type.rank != r:
@@ -43,6 +43,9 @@ def conv_transpose(b, x, w, strides, pads, dilations, output_padding, group: int
         raise ShapeError(f"weight {w.shape} does not match {c_in} input channels in {group} groups")
     ks = w.shape[2:]
     sp = x.shape[2:]
+    if (group == 1 and tuple(ks) == tuple(strides) and not any(pads) and not any(output_padding)
+            and all(d == 1 for d in dilations)):
+        return _unpool_conv_transpose(b, x, w, bias)
     # 1. interleave stride-1 zeros between input elements
     y = x
     if any(s > 1 for s in strides):
@@ -66,4 +69,30 @@ def conv_transpose(b, x, w, strides, pads, dilations, output_padding, group: int
     if prod(ks) > 1:
         wt = b.slice(wt, starts=(0, 0) + tuple(k - 1 for k in ks), ends=(group * cog, c_in // group) + (-1,) * nsp,
                      steps=(1, 1) + (-1,) * nsp)
-    return b.conv(y, wt, strides=(1,) * nsp, pads=(0,) * (2 * nsp), dilations=tuple(dilations), group=group)
+    y = b.conv(y, wt, strides=(1,) * nsp, pads=(0,) * (2 * nsp), dilations=tuple(dilations), group=group)
+    if bias is not None:
+        y = b.add(y, reshape(b, bias, (1, bias.shape[0]) + (1,) * nsp))
+    return y
+
+
+def _unpool_conv_transpose(b, x, w, bias=None):
+    """A ConvTranspose whose kernel equals its stride (no pads, dilations or output padding; the
+    U-Net up-sampling 2x2 / stride 2) writes every output pixel from exactly one input pixel:
+    one 1x1 conv to ``C_out * prod(k)`` channels, then a reshape / transpose / reshape that puts
+    each kernel offset at its place in the output.  The general decomposition below convolves
+    the zero-interleaved input instead: ``prod(k)`` times the multiply-adds, all but one in
+    ``prod(k)`` of them with zeros (U-Net's up-conv: 25 of 171 ms at load 16)."""
+    n, c_in = x.shape[:2]
+    sp, ks = tuple(x.shape[2:]), tuple(w.shape[2:])
+    nsp, cout = len(sp), w.shape[1]
+    # (C_in, C_out, k...) -> (C_out, k..., C_in) -> (C_out * prod(k), C_in, 1...)
+    wt = b.transpose(w, perm=(*range(1, 2 + nsp), 0))
+    wt = reshape(b, wt, (cout * prod(ks), c_in) + (1,) * nsp)
+    z = b.conv(x, wt, strides=(1,) * nsp, pads=(0,) * (2 * nsp), dilations=(1,) * nsp, group=1)
+    if bias is not None:    # added before the shuffle, so the conv's epilogue takes it
+        bk = expand(b, reshape(b, bias, (cout, 1)), (cout, prod(ks)))
+        z = b.add(z, reshape(b, bk, (1, cout * prod(ks)) + (1,) * nsp))
+    z = reshape(b, z, (n, cout, *ks, *sp))
+    # (n, C_out, k0, k1.., s0, s1..) -> (n, C_out, s0, k0, s1, k1, ..)
+    z = b.transpose(z, perm=(0, 1, *(d for s in range(nsp) for d in (2 + nsp + s, 2 + s))))
+    return reshape(b, z, (n, cout, *(d * k for d, k in zip(sp, ks))))

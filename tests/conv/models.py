@@ -53,6 +53,44 @@ def conv_model(x_shape, w_shape, *, strides=(1, 1), pads=(0, 0, 0, 0), dilations
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
 
 
+def pool_model(x_shape, op, pre=None, post=None, **attrs):
+    """``x [-> Add bias -> Relu] -> MaxPool|AveragePool [-> Mul s -> Sigmoid]``."""
+    rng = np.random.default_rng(0)
+    c = x_shape[1]
+    inits, nodes, cur = [], [], "x"
+    bshape = (c,) + (1,) * (len(x_shape) - 2)
+    if pre:
+        inits.append(numpy_helper.from_array(rng.standard_normal(bshape).astype(np.float32), "b"))
+        nodes += [helper.make_node("Add", [cur, "b"], ["xa"]), helper.make_node("Relu", ["xa"], ["xr"])]
+        cur = "xr"
+    nodes.append(helper.make_node(op, [cur], ["p"], **attrs))
+    cur = "p"
+    if post:
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, bshape).astype(np.float32), "s"))
+        nodes += [helper.make_node("Mul", [cur, "s"], ["pm"]), helper.make_node("Sigmoid", ["pm"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    g = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def convt_model(x_shape, w_shape, bias=True, **attrs):
+    """``x -> ConvTranspose [+ bias] -> Relu`` with random constant weights."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(w_shape) * 0.3).astype(np.float32), "W")]
+    ins = ["x", "W"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(w_shape[1] * attrs.get("group", 1))
+                                             .astype(np.float32), "B"))
+        ins.append("B")
+    g = helper.make_graph([helper.make_node("ConvTranspose", ins, ["c"], **attrs),
+                           helper.make_node("Relu", ["c"], ["y"])], "convt",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def ort_run(model, feeds: dict):
     import onnxruntime as ort
     so = ort.SessionOptions()
