@@ -49,21 +49,30 @@ SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no 
 
 @dataclass(frozen=True)
 class Blocking:
-    """Register and cache blocking: vector width ``vl`` (floats), micro-tile ``mr x nr``."""
+    """Register and cache blocking -- every size the kernel's speed depends on, explicit so
+    that a tuner can pick them: vector width ``vl`` (floats), micro-tile ``mr x nr``, ``kc``
+    (k per block: at most this many, K split into near-equal blocks), ``b_block_bytes`` (a
+    packed ``KC x NC`` B block, kept in L2), ``max_panels`` (MR-row panels per row group) and
+    ``direct_a`` (the micro-kernel broadcasts A from its row-major source instead of a packed
+    copy; None: :func:`direct_a_rule`)."""
 
     vl: int
     mr: int
     nr: int
+    kc: int = KC_MAX
+    b_block_bytes: int = B_BLOCK_BYTES
+    max_panels: int = MAX_PANELS
+    direct_a: Optional[bool] = None
 
     def nc(self, kc: int, n: int) -> int:
-        """Columns per B block: at most ``B_BLOCK_BYTES`` of packed B, a multiple of ``nr``."""
-        cap = max(self.nr, (B_BLOCK_BYTES // (4 * max(1, kc))) // self.nr * self.nr)
+        """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``."""
+        cap = max(self.nr, (self.b_block_bytes // (4 * max(1, kc))) // self.nr * self.nr)
         return min(cap, -(-n // self.nr) * self.nr)
 
 
-def k_blocks(k: int) -> tuple[int, int]:
-    """``(block count, block size)``: K split into near-equal blocks of at most ``KC_MAX``."""
-    nk = -(-k // KC_MAX)
+def k_blocks(k: int, kc: int = KC_MAX) -> tuple[int, int]:
+    """``(block count, block size)``: K split into near-equal blocks of at most ``kc``."""
+    nk = -(-k // kc)
     return nk, -(-k // nk)
 
 
@@ -194,27 +203,34 @@ def b_source_size(d: GemmDesc) -> int:
 
 
 def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
-    kcmax = k_blocks(d.k)[1]
+    """Packs ``kc`` rows from ``k0`` of the ``nc`` columns from ``j0`` of B batch ``b``
+    (``info = [b, j0, k0, kc]``) into NR-column panels ``[panel][k][NR]``, zero padded.  Per
+    panel the valid columns are a copy loop with a bound (contiguous rows: plain vector loads)
+    and a zero-fill loop: a clamped index with a select per element would be a gather."""
+    if d.conv is not None:
+        return _pack_b_conv_rows(d, bl, nc)
+    kcmax = k_blocks(d.k, bl.kc)[1]
     bpk = L.Param("bpk", "float32", nc * kcmax)
     src = L.Param("bsrc", "float32", b_source_size(d))
     info = L.Param("info", "int64", 4)
-    jp, kk, jj = L.Var("jp"), L.Var("kk"), L.Var("jj")
+    V = L.Var
     b, j0 = L.Load(info, L.Const(0)), L.Load(info, L.Const(1))
     k0, kc = L.Load(info, L.Const(2)), L.Load(info, L.Const(3))
-    k = k0 + kk
-    j = j0 + jp * bl.nr + jj
-    zero = L.Const(0.0, "float32")
-    if d.conv is None and d.b_view is not None:    # B's batches and rows: the view's leading dims
-        val = L.Select(L.lt(j, d.n), L.Load(src, view_address(d.b_view, b * d.k + k, L.minimum(j, d.n - 1))),
-                       zero)
-    elif d.conv is None:
-        val = L.Select(L.lt(j, d.n), L.Load(src, b * (d.k * d.n) + k * d.n + L.minimum(j, d.n - 1)), zero)
+    k = k0 + V("kk")
+    j = V("p0") + V("jj")
+    if d.b_view is not None:    # B's batches and rows: the view's leading dims
+        val = L.Load(src, view_address(d.b_view, b * d.k + k, j))
     else:
-        ih_ok, iw_ok, addr = im2col_source(d.conv, b, k, j)
-        val = L.Select(L.land(L.land(L.lt(j, d.n), ih_ok), iw_ok), L.Load(src, addr), zero)
-    body = L.Store(bpk, (jp * kc + kk) * bl.nr + jj, val)
-    loops = L.for_("jp", 0, nc // bl.nr, L.for_("kk", 0, kc, L.for_("jj", 0, bl.nr, body, "vector")),
-                   "parallel")
+        val = L.Load(src, b * (d.k * d.n) + k * d.n + j)
+    dst = (V("jp") * kc + V("kk")) * bl.nr
+    per_k = L.block(
+        L.for_("jj", 0, V("jend"), L.Store(bpk, dst + V("jj"), val), "vector"),
+        L.for_("jj", V("jend"), bl.nr, L.Store(bpk, dst + V("jj"), L.Const(0.0, "float32")), "vector"))
+    per_panel = L.block(
+        L.Local("p0", "int64", j0 + V("jp") * bl.nr),
+        L.Local("jend", "int64", L.maximum(L.minimum(L.Const(bl.nr), d.n - V("p0")), 0)),
+        L.for_("kk", 0, kc, per_k))
+    loops = L.for_("jp", 0, nc // bl.nr, per_panel, "parallel")
     return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
 
 
@@ -244,7 +260,7 @@ def _pack_b_conv_rows(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
     valid output-column range (computed here) and the row's padding test."""
     from math import ceil
     g = d.conv
-    kcmax = k_blocks(d.k)[1]
+    kcmax = k_blocks(d.k, bl.kc)[1]
     bpk = L.Param("bpk", "float32", nc * kcmax)
     src = L.Param("bsrc", "float32", b_source_size(d))
     info = L.Param("info", "int64", 4)
@@ -373,14 +389,17 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
 # ------------------------------------------------------------------ LLVM IR text
 
 
-def _micro_ir(bl: Blocking) -> str:
-    """``@gemm.micro(a, b, tile, kc, first)``: ``tile[MR][NR] (= 0 if first) += sum_{k<kc}
-    a[k][MR] (x) b[k][NR]``; the accumulators start at zero and live in registers for the
-    whole k loop, the old tile is added once at the end."""
+def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int = 0) -> str:
+    """``@<name>(a, b, tile, kc, first)``: ``tile[MR][NR] (= 0 if first) += sum_{k<kc}
+    A[r][k] (x) b[k][NR]`` with ``A[r][k] = a[r * a_rs + k * a_ks]`` -- a packed panel
+    ``a[k][MR]`` (``a_rs = 1, a_ks = MR``, the default) or rows of a row-major source
+    (``a_rs = K, a_ks = 1``: constant displacements, one pointer).  The accumulators start at
+    zero and live in registers for the whole k loop, the old tile is added once at the end."""
+    a_ks = a_ks or bl.mr
     vt = f"<{bl.vl} x float>"
     nv = bl.nr // bl.vl
     accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
-    lines = ["define internal void @gemm.micro(ptr noalias nocapture readonly %a, "
+    lines = [f"define internal void @{name}(ptr noalias nocapture readonly %a, "
              "ptr noalias nocapture readonly %b, ptr noalias nocapture %c, i64 %kc, i1 %first) #1 {",
              "entry:"]
     lines += ["  br label %loop", "loop:", "  %k = phi i64 [0, %entry], [%k1, %loop]"]
@@ -392,9 +411,9 @@ def _micro_ir(bl: Blocking) -> str:
         if v:
             lines[-1] = f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}"
         lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 64")
-    lines.append(f"  %ao = mul nuw nsw i64 %k, {bl.mr}")
+    lines.append(f"  %ao = mul nuw nsw i64 %k, {a_ks}")
     for r in range(bl.mr):
-        lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r}",
+        lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r * a_rs}",
                   f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
                   f"  %as{r} = load float, ptr %ap{r}, align 4",
                   f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
@@ -431,22 +450,39 @@ class GemmLayout:
     pan_per_group: int  # MR-row panels per row group
     npan_a: int        # MR-row panels per A matrix
     tiles: int         # batch * njc * mg: the parallel extent
+    nkc: int = 1       # k blocks
+    kcb: int = 1       # k per block (the last may be shorter)
+    direct_a: bool = False  # micro-kernel reads A from its source rows (no packed copy)
+
+
+def direct_a_rule(d: GemmDesc, bl: Blocking) -> bool:
+    """Whether the micro-kernel broadcasts A straight from its contiguous row-major source
+    (row stride K) instead of a per-tile packed copy: only for a contiguous, not constant A
+    (a view is packed because it is strided; a constant A is packed once anyway)."""
+    if d.a_view is not None or d.a_const:
+        return False
+    if bl.direct_a is not None:
+        return bl.direct_a
+    # rows a multiple of 4 KiB apart fall into one L1 set: MR of them fill a 12-way set and the
+    # B stream evicts them (128x3072 @ 3072x768: 1.13x the packed path's time; 3000: 0.93x)
+    return (4 * d.k) % 4096 != 0
 
 
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     """Blocks of ``nc`` columns (``KC x nc`` packed B within ``B_BLOCK_BYTES``); rows in groups
     of at most ``MAX_PANELS`` panels, split further while there are fewer than ``4 * threads``
     tiles and a group keeps at least 4 panels."""
-    nc = bl.nc(k_blocks(d.k)[1], d.n)
+    nc = bl.nc(k_blocks(d.k, bl.kc)[1], d.n)
     njc = -(-d.n // nc)
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
-    mg = -(-npan // MAX_PANELS)
+    mg = -(-npan // bl.max_panels)
     if d.batch * njc * mg < want:
         mg = max(mg, min(-(-want // (d.batch * njc)), npan // 4))
     ppg = -(-npan // mg)
     mg = -(-npan // ppg)
-    return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg)
+    nkc, kcb = k_blocks(d.k, bl.kc)
+    return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg, nkc, kcb, direct_a_rule(d, bl))
 
 
 def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
@@ -459,13 +495,12 @@ def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
 
 def packed_b_size(d: GemmDesc, lay: GemmLayout) -> int:
     """Floats of a B packed once: every (B batch, column block, k block) block at full size."""
-    nkc, kcb = k_blocks(d.k)
-    return (max(d.b_index) + 1) * lay.njc * nkc * lay.nc * kcb
+    return (max(d.b_index) + 1) * lay.njc * lay.nkc * lay.nc * lay.kcb
 
 
 def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epi: str) -> str:
     n_extra = len(d.operands) + len(d.outputs)
-    nkc, kcb = k_blocks(d.k)
+    nkc, kcb = lay.nkc, lay.kcb
     a_tab = list(d.a_index)
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
     tile = bl.mr * bl.nr
@@ -520,9 +555,11 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: st
             if d.a_const else
             ["  store i64 %abv, ptr %ainfo", "  store i64 %ip0, ptr %ai1", "  %npa = sub i64 %ip1, %ip0",
              f"  call void @{pack_a}(ptr %aargs, i64 0, i64 %npa) #2",   # not inlined: compile time
-             "  %ablk = getelementptr float, ptr %ascr, i64 0"]),
+             "  %ablk = getelementptr float, ptr %ascr, i64 0"] if not lay.direct_a else
+            _direct_a_tile_ir(d, bl, pack_a)),
+          "  br label %tpre", "tpre:",
           "  br label %pcond",
-          "pcond:", "  %pc = phi i64 [0, %tbody], [%pcn, %inext_p]",
+          "pcond:", "  %pc = phi i64 [0, %tpre], [%pcn, %inext_p]",
           f"  %pcc = icmp slt i64 %pc, {nkc}", "  br i1 %pcc, label %pbody, label %tnext",
           "pbody:",
           f"  %k0 = mul i64 %pc, {kcb}", f"  %kleft = sub i64 {d.k}, %k0",
@@ -544,6 +581,9 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: st
           "  %ipl = sub i64 %ip, %ip0",
           f"  %aoff0 = mul i64 %ipl, {d.k * bl.mr}", "  %aoff = add i64 %aoff0, %ak0",
           "  %ap = getelementptr float, ptr %ablk, i64 %aoff", "  store i64 %i0, ptr %ei1",
+          *([f"  %dr0 = add i64 %arow0, %i0", f"  %dr1 = mul i64 %dr0, {d.k}", "  %dr2 = add i64 %dr1, %k0",
+             "  %apd = getelementptr float, ptr %asrc, i64 %dr2", "  %app = getelementptr float, ptr %ascr, i64 %ak0",
+             f"  %isd = icmp slt i64 %ip, {d.m // bl.mr}"] if lay.direct_a else []),
           f"  %crow = mul i64 %ipl, {npb * tile}",
           "  br label %jcond",
           "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
@@ -552,7 +592,12 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: st
           "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bblk, i64 %boff",
           f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
           "  %cp = getelementptr float, ptr %cscr, i64 %coff",
-          "  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)",
+          *(["  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if not lay.direct_a else
+            ["  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if d.m % bl.mr == 0 else
+            ["  br i1 %isd, label %mdir, label %mpak",
+             "mdir:", "  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)", "  br label %mdone",
+             "mpak:", "  call void @gemm.micro(ptr %app, ptr %bp, ptr %cp, i64 %kc, i1 %first)", "  br label %mdone",
+             "mdone:"]),
           "  br i1 %last, label %epib, label %jlatch",
           "epib:",
           f"  %jpc = mul i64 %jp, {bl.nr}", "  %jj0 = add i64 %j0, %jpc", "  store i64 %jj0, ptr %ei2",
@@ -574,7 +619,23 @@ def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: st
             f"<{bl.vl} x float>)",
             f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
             f"declare void @{epi}(ptr, i64, i64)"]
-    return "\n".join(head) + "\n" + _micro_ir(bl) + "\n" + "\n".join(s)
+    micro = _micro_ir(bl)
+    if lay.direct_a:
+        micro += "\n" + _micro_ir(bl, "gemm.micro_d", d.k, 1)
+    return "\n".join(head) + "\n" + micro + "\n" + "\n".join(s)
+
+
+def _direct_a_tile_ir(d: GemmDesc, bl: Blocking, pack_a: str) -> list:
+    """Per-tile IR of a direct A: ``%arow0`` is the A batch's first row; a partial last panel
+    (``m % MR`` rows: reading MR rows there would run past the matrix) is packed, zero padded,
+    into panel 0 of the scratch when the tile's row group holds it."""
+    full = d.m // bl.mr
+    lines = [f"  %arow0 = mul i64 %abv, {d.m}", "  %ablk = getelementptr float, ptr %ascr, i64 0"]
+    if d.m % bl.mr:
+        lines += [f"  %hasp = icmp sgt i64 %ip1, {full}", "  br i1 %hasp, label %plast, label %tpre",
+                  "plast:", "  store i64 %abv, ptr %ainfo", f"  store i64 {full}, ptr %ai1",
+                  f"  call void @{pack_a}(ptr %aargs, i64 0, i64 1) #2"]
+    return lines
 
 
 # ------------------------------------------------------------------ compile
@@ -618,7 +679,7 @@ class CompiledGemm:
         if src is bsrc:
             return packed
         d, lay = self.desc, self.layout
-        nkc, kcb = k_blocks(d.k)
+        nkc, kcb = lay.nkc, lay.kcb
         blk = lay.nc * kcb
         packed = _aligned_zeros(packed_b_size(d, lay))  # the micro-kernel's B loads are aligned
         info = np.zeros(4, np.int64)
