@@ -65,9 +65,13 @@ class Blocking:
     direct_a: Optional[bool] = None
 
     def nc(self, kc: int, n: int) -> int:
-        """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``."""
+        """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,
+        the blocks as even as that allows (768 columns: 2 x 384, not 512 + 256, so two
+        threads get equal work)."""
         cap = max(self.nr, (self.b_block_bytes // (4 * max(1, kc))) // self.nr * self.nr)
-        return min(cap, -(-n // self.nr) * self.nr)
+        panels = -(-n // self.nr)
+        blocks = -(-panels * self.nr // cap)
+        return -(-panels // blocks) * self.nr
 
 
 def k_blocks(k: int, kc: int = KC_MAX) -> tuple[int, int]:
@@ -473,11 +477,9 @@ def direct_a_rule(d: GemmDesc, bl: Blocking) -> bool:
     (a view is packed because it is strided; a constant A is packed once anyway)."""
     if d.a_view is not None or d.a_const:
         return False
-    if bl.direct_a is not None:
-        return bl.direct_a
-    # rows a multiple of 4 KiB apart fall into one L1 set: MR of them fill a 12-way set and the
-    # B stream evicts them (128x3072 @ 3072x768: 1.13x the packed path's time; 3000: 0.93x)
-    return (4 * d.k) % 4096 != 0
+    # rows a multiple of 4 KiB apart share L1 sets, yet direct still measured 0.94-1.03x the
+    # packed path's time there (1024^3, 128x2048x512, 128x3072x768; 0.74-0.97x elsewhere)
+    return True if bl.direct_a is None else bl.direct_a
 
 
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
