@@ -54,7 +54,14 @@ def test_measurement_is_best_of_rounds_and_recorded():
     assert set(attempt["spread"]) == {"bandwidth", "peak"}
     assert 0 <= attempt["spread"]["bandwidth"] < 1
     assert m.notes["hardware"] == M.hardware()
-    assert attempt["peak_from"].startswith("fma loop")
+    assert attempt["peak_from"].startswith("numpy 512^3 sgemm (no probe")
+
+
+def test_compiler_measures_the_peak_with_the_fma_loop():
+    from apollo_py.codegen.fma_peak import peak_probe
+    m = M.measure_machine(rounds=2, attempts=1, probe=peak_probe)
+    (attempt,) = m.notes["attempts"]
+    assert attempt["peak_from"].startswith("fma loop") and attempt["peak"] == m.peak > 0
 
 
 def test_fma_peak_uses_the_widest_vectors_and_beats_numpy_sgemm():

@@ -97,6 +97,12 @@ def fma_rate(threads: int, seconds: float = 0.01) -> float:
     return sum(rates)
 
 
+def peak_probe(threads: int) -> tuple[float, str]:
+    """machine.py's peak probe: (:func:`fma_rate` on ``threads`` threads, what was measured)."""
+    rate = fma_rate(threads)
+    return rate, f"fma loop, {lanes()} float32 lanes, {threads} threads, per-thread CPU time"
+
+
 def lanes() -> int:
     """float32 lanes of the vectors the peak loop uses."""
     _compiled()
