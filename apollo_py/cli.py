@@ -269,7 +269,8 @@ def _cmd_machine(args, opts):
     if args.preset:
         m = M.preset(args.preset)
     else:
-        m = M.measured_machine(opts.cache_dir, remeasure=args.measure)
+        from .codegen.fma_peak import peak_probe
+        m = M.measured_machine(opts.cache_dir, remeasure=args.measure, probe=peak_probe)
     print(M.machine_json(m) if args.json else M.as_text(m))
 
 

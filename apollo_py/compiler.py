@@ -101,6 +101,7 @@ def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, pr
     progress.done()
     plan = Plan(graph=graph, micro_graphs=micro_graphs, kernels=tuple(specs), timings=tuple(progress.timings))
     if machine is None:
+        from .codegen.fma_peak import peak_probe
         from .machine import resolve_machine
-        machine = resolve_machine(options)
+        machine = resolve_machine(options, peak_probe)
     return CpuExecutable(graph, steps, plan, options.num_threads, machine, options)

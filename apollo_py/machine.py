@@ -40,7 +40,8 @@ class Machine:
     they came from and take no part in equality).
 
     ``bandwidth``: bytes/s of streaming memory traffic (one thread, data larger than the last
-    cache level); ``peak``: flop/s of a 512³ sgemm through numpy's BLAS; ``launch``: seconds one
+    cache level); ``peak``: float32 flop/s of FMAs on the widest vectors, every core busy
+    (a generated loop, ``apollo_py.codegen.fma_peak``, passed in as ``probe``); ``launch``: seconds one
     parallel launch costs (a thread-pool dispatch); ``inline_bytes``: kernels (or layer-3
     groups) moving fewer bytes run on the calling thread; ``chunk_bytes``: bytes one chunk of a
     parallel loop moves at least.
@@ -103,7 +104,7 @@ PRESETS: dict[str, Machine] = {
 }
 
 #: bump when the measurement changes meaning: older machine.json files are measured anew
-FORMAT = 2
+FORMAT = 3           # 3: peak from the generated FMA loop, not numpy's sgemm
 ROUNDS = 7            # rounds per attempt; the best of each figure is kept
 MAX_ATTEMPTS = 3      # measure again while implausible or noisy, at most this often
 MAX_SPREAD = 0.25     # (best - median) / best above this counts as a noisy attempt
@@ -203,7 +204,7 @@ def _best_and_spread(rates: list[float]) -> tuple[float, float]:
     return best, (best - statistics.median(rates)) / best
 
 
-def _measure_once(hw: dict, rounds: int) -> dict:
+def _measure_once(hw: dict, rounds: int, probe=None) -> dict:
     """One attempt: best-of-``rounds`` bandwidth and peak, with the rounds' spread."""
     import numpy as np
     last = max(hw["caches"].values(), default=0)
@@ -215,11 +216,31 @@ def _measure_once(hw: dict, rounds: int) -> dict:
         np.add(a, b, out=a)             # read a, b, write a
     triad()
     bw, bw_spread = _best_and_spread([5 * 4 * n / t for t in _rounds(triad, rounds)])
+    pk, pk_spread, how = _peak(hw, rounds, probe)
+    return {"bandwidth": bw, "peak": pk, "spread": {"bandwidth": round(bw_spread, 4), "peak": round(pk_spread, 4)},
+            "working_set_bytes": 3 * 4 * n, "peak_from": how}
+
+
+def _peak(hw: dict, rounds: int, probe=None) -> tuple[float, float, str]:
+    """(best flop/s, spread, how).  ``probe(threads) -> (flop/s, description)`` is the compiler's
+    generated FMA loop on the widest vectors the CPU executes, on every core at once
+    (:func:`apollo_py.codegen.fma_peak.peak_probe`; passed in, because this bottom layer may not
+    import LLVM): numpy's BLAS measures whatever kernel its build picked (an OpenBLAS pinned to
+    Haswell runs AVX2 on an AVX-512 core: half the peak).  Without a probe, or if it fails, a
+    512^3 sgemm through numpy stands in and ``how`` says so."""
+    why = "no probe given"
+    if probe is not None:
+        try:
+            runs = [probe(hw["cores"]) for _ in range(rounds)]
+            pk, spread = _best_and_spread([r for r, _ in runs])
+            return pk, spread, runs[0][1]
+        except Exception as e:     # noqa: BLE001 -- any JIT failure: measure through numpy instead
+            why = f"probe failed: {type(e).__name__}: {e}"
+    import numpy as np
     m = np.ones((512, 512), np.float32)
     m @ m
-    pk, pk_spread = _best_and_spread([2 * 512 ** 3 / t for t in _rounds(lambda: m @ m, rounds)])
-    return {"bandwidth": bw, "peak": pk, "spread": {"bandwidth": round(bw_spread, 4), "peak": round(pk_spread, 4)},
-            "working_set_bytes": 3 * 4 * n}
+    pk, spread = _best_and_spread([2 * 512 ** 3 / t for t in _rounds(lambda: m @ m, rounds)])
+    return pk, spread, f"numpy 512^3 sgemm ({why})"
 
 
 def _problems(m: dict, hw: dict) -> list[str]:
@@ -237,8 +258,9 @@ def _problems(m: dict, hw: dict) -> list[str]:
     return out
 
 
-def measure_machine(rounds: int = ROUNDS, attempts: int = MAX_ATTEMPTS) -> Machine:
+def measure_machine(rounds: int = ROUNDS, attempts: int = MAX_ATTEMPTS, probe=None) -> Machine:
     """Measure this machine's figures (about 0.3-1 s per attempt); see the module docstring.
+    ``probe``: the peak measurement (:func:`_peak`; the compiler passes its FMA loop).
 
     Keeps the best figure over all attempts; ``notes`` records the hardware, each attempt's
     figures and spread, and any problem the last attempt still had.
@@ -248,7 +270,7 @@ def measure_machine(rounds: int = ROUNDS, attempts: int = MAX_ATTEMPTS) -> Machi
     for k in range(attempts):
         if k:
             time.sleep(0.05 * k)        # let a momentary neighbour pass
-        m = _measure_once(hw, rounds)
+        m = _measure_once(hw, rounds, probe) if probe is not None else _measure_once(hw, rounds)
         tries.append(m)
         problems = _problems(m, hw)
         if not problems:
@@ -295,7 +317,7 @@ def save_machine(cache_dir: str, machine: Machine) -> str:
 _MEASURED: dict[str, Machine] = {}     # per cache dir: figures measured in this process
 
 
-def measured_machine(cache_dir: str | None, remeasure: bool = False) -> Machine:
+def measured_machine(cache_dir: str | None, remeasure: bool = False, probe=None) -> Machine:
     """This machine's figures: stored in ``cache_dir`` when current, else measured.
 
     Plausible figures are stored for later processes; figures that still looked wrong after
@@ -306,7 +328,7 @@ def measured_machine(cache_dir: str | None, remeasure: bool = False) -> Machine:
         return PRESETS["conservative"]
     m = None if remeasure else (_MEASURED.get(cache_dir) or load_machine(cache_dir))
     if m is None:
-        m = measure_machine()
+        m = measure_machine(probe=probe)
         if m.notes["problems"]:
             m = replace(m, source="measured; not saved, implausible: " + "; ".join(m.notes["problems"]))
         else:
@@ -318,15 +340,16 @@ def measured_machine(cache_dir: str | None, remeasure: bool = False) -> Machine:
     return m
 
 
-def resolve_machine(options) -> Machine:
+def resolve_machine(options, probe=None) -> Machine:
     """The figures ``options.machine`` asks for: a Machine as given, a preset by name, or
-    (None) this machine's measured figures kept in ``options.cache_dir``."""
+    (None) this machine's measured figures kept in ``options.cache_dir`` (``probe``: the peak
+    measurement, see :func:`_peak`)."""
     m = options.machine
     if isinstance(m, Machine):
         return m
     if isinstance(m, str):
         return preset(m)
-    return measured_machine(options.cache_dir)
+    return measured_machine(options.cache_dir, probe=probe)
 
 
 def describe(machine: Machine) -> dict:

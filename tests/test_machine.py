@@ -54,6 +54,47 @@ def test_measurement_is_best_of_rounds_and_recorded():
     assert set(attempt["spread"]) == {"bandwidth", "peak"}
     assert 0 <= attempt["spread"]["bandwidth"] < 1
     assert m.notes["hardware"] == M.hardware()
+    assert attempt["peak_from"].startswith("numpy 512^3 sgemm (no probe")
+
+
+def test_compiler_measures_the_peak_with_the_fma_loop():
+    from apollo_py.codegen.fma_peak import peak_probe
+    m = M.measure_machine(rounds=2, attempts=1, probe=peak_probe)
+    (attempt,) = m.notes["attempts"]
+    assert attempt["peak_from"].startswith("fma loop") and attempt["peak"] == m.peak > 0
+
+
+def test_fma_peak_uses_the_widest_vectors_and_beats_numpy_sgemm():
+    """The peak comes from the generated FMA loop on the widest vectors the host executes; on
+    one thread, by CPU time, it is at least what numpy's sgemm reaches (whatever kernel the
+    BLAS build picked: the loop does nothing but FMAs)."""
+    import time
+
+    import numpy as np
+
+    from apollo_py.codegen import fma_peak
+    from apollo_py.codegen.llvm import host
+    feats = host().features.split(",")
+    assert fma_peak.lanes() == (16 if "+avx512f" in feats else 8 if "+avx2" in feats and "+fma" in feats else 4)
+    one = max(fma_peak.fma_rate(1) for _ in range(3))
+    a = np.ones((256, 256), np.float32)
+    best = 0.0
+    for _ in range(5):
+        t = time.process_time()
+        for _ in range(20):
+            a @ a
+        best = max(best, 20 * 2 * 256 ** 3 / max(time.process_time() - t, 1e-9))
+    # process time counts every BLAS thread: the sum of their rates, at most cores x one thread
+    assert one * M.hardware()["cores"] >= 0.8 * best
+
+
+@pytest.mark.parametrize("lanes,chains,fma", [(8, 12, True), (4, 8, False)])
+def test_fma_peak_loop_for_narrower_machines_is_valid_ir(lanes, chains, fma):
+    from apollo_py.codegen import fma_peak
+    from apollo_py.codegen.llvm import host
+    mod = host().llvm.parse_assembly(fma_peak._ir(lanes, chains, fma, ""))
+    mod.verify()
+    assert "apollo_fma_peak" in str(mod)
 
 
 def _fake_attempts(monkeypatch, attempts):

@@ -5,32 +5,41 @@ One :class:`GemmDesc` describes ``C[b] = A[b] @ B[b]`` for ``b`` in a flattened 
 where A and B come from (a matmul's operands, or a conv's weights and implicit im2col of its
 input) and the epilogue.  :func:`compile_gemm` turns it into machine code through llvmlite:
 
-* ``pack_a`` (loop IR): the tile's row group of one A batch into panels of ``MR`` rows,
-  ``[panel][k][MR]``, zero padded, in the tile's own scratch (called by the main kernel, so
-  a GEMM is one parallel launch);
-* ``pack_b`` (loop IR): one column block of B (``NC`` columns, all of K) into panels of
-  ``NR`` columns, ``[panel][k][NR]``; for a conv this is the im2col gather (implicit GEMM).
-  A constant B (``b_const``: a weight) is packed once, on the first call, into every block
-  (:meth:`CompiledGemm.packed_b`) and the main kernel reads the blocks in place;
+* A: a contiguous, not constant A is read in place -- the micro-kernel broadcasts
+  ``A[i0 + r][k]`` from its row-major rows (constant displacements ``r * K``), and a partial
+  last panel of ``m % MR`` rows runs the same micro-kernel with fewer rows (``direct_a``);
+  a constant A (a conv's weight) is packed once (:meth:`CompiledGemm.packed_a`); an A read
+  through a view is packed per tile by ``pack_a`` (loop IR, ``[panel][k][MR]``, zero padded);
+* ``pack_b`` (loop IR): one column block of B (``NC`` columns) into panels of ``NR`` columns,
+  ``[panel][k][NR]`` (a bounded copy plus a zero fill per panel row); for a conv the im2col
+  (implicit GEMM).  A constant B (``b_const``: a weight) is packed once, on the first call,
+  into every block (:meth:`CompiledGemm.packed_b`) and the main kernel reads them in place;
 * operands may be read through an :class:`OperandView` (a transpose of another buffer,
   e.g. attention's ``K^T``), so the exporters' Transpose nodes cost no copy;
 * ``epi`` (loop IR): reads one ``MR x NR`` accumulator tile, computes the epilogue chain
   (layer-1 scalar ops, broadcast operands indexed from the output coordinates) and stores
-  every output value the step must produce; without an epilogue it is the bounded store;
+  every output value the step must produce;
 * the main kernel (LLVM IR text written here): parallel over tiles ``(b, column block,
-  row group)``; per tile it packs B into a 64-byte-aligned scratch, then for every MR-row
-  panel and NR-column panel runs the micro-kernel -- ``MR x NR/VL`` vector accumulators in
-  registers, one broadcast of A and ``NR/VL`` vector loads of B per k, ``llvm.fma`` -- and
-  hands the tile to ``epi``.  Products below ``SMALL_FLOPS`` run on the calling thread.
+  row group)``; per tile and K block it packs B into a 64-byte-aligned scratch, then for every
+  MR-row panel and NR-column panel runs the micro-kernel -- ``MR x NR/VL`` vector accumulators
+  in registers for the whole K block, one broadcast of A and ``NR/VL`` aligned vector loads
+  of B per k, ``llvm.fma``.  A plain product (no epilogue, one row-major output,
+  :func:`plain_output`) has its full tiles written by the micro-kernel into the output itself
+  (stored on the first K block, added on the others); other tiles go to a scratch tile and,
+  after the last K block, to ``epi``.  Products below ``SMALL_FLOPS`` run on the calling thread.
 
-The blocking for the Rocket Lake dev box (AVX-512, one 512-bit FMA port per core, 48 KiB L1,
-2 MiB L2): ``VL=16, MR=12, NR=32`` (24 accumulators + 2 B vectors + 1 broadcast of 32 zmm
-registers); a B column block holds at most 512 KiB (``NC = 512 KiB / 4K``) so it stays in L2
-while every A panel streams past it.  Without AVX-512: ``VL=8, MR=6, NR=16`` (AVX2, 16 ymm).
+Every size is a field of :class:`Blocking` (``vl, mr, nr, kc, b_block_bytes, max_panels,
+direct_a``), passed to :func:`compile_gemm` and part of the compiled key, so a tuner can pick
+them.  The defaults (docs/design/gemm.md, measured on a Zen-5 EPYC: two 512-bit FMA pipes,
+48 KiB L1, 1 MiB L2 per core): ``VL=16, MR=12, NR=32`` (24 accumulators + 2 B vectors + 1
+broadcast of 32 zmm registers; ``MR=8`` where it pads fewer rows, ``NR=16`` where N fits one
+vector), ``KC=256`` (an MR x KC A panel, 12 KiB, stays in L1 while B panels stream from L2;
+384 and 512 measured no better), a B column block of at most 512 KiB in L2.  Without
+AVX-512: ``VL=8, MR=6, NR=16`` (AVX2, 16 ymm).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Optional
 
@@ -38,6 +47,7 @@ import numpy as np
 
 from apollo_py.codegen import loopir as L
 from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.gemm_ir import main_ir, plain_output  # noqa: F401 - plain_output: API
 from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
 
@@ -49,21 +59,34 @@ SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no 
 
 @dataclass(frozen=True)
 class Blocking:
-    """Register and cache blocking: vector width ``vl`` (floats), micro-tile ``mr x nr``."""
+    """Register and cache blocking -- every size the kernel's speed depends on, explicit so
+    that a tuner can pick them: vector width ``vl`` (floats), micro-tile ``mr x nr``, ``kc``
+    (k per block: at most this many, K split into near-equal blocks), ``b_block_bytes`` (a
+    packed ``KC x NC`` B block, kept in L2), ``max_panels`` (MR-row panels per row group) and
+    ``direct_a`` (the micro-kernel broadcasts A from its row-major source instead of a packed
+    copy; None: :func:`direct_a_rule`)."""
 
     vl: int
     mr: int
     nr: int
+    kc: int = KC_MAX
+    b_block_bytes: int = B_BLOCK_BYTES
+    max_panels: int = MAX_PANELS
+    direct_a: Optional[bool] = None
 
     def nc(self, kc: int, n: int) -> int:
-        """Columns per B block: at most ``B_BLOCK_BYTES`` of packed B, a multiple of ``nr``."""
-        cap = max(self.nr, (B_BLOCK_BYTES // (4 * max(1, kc))) // self.nr * self.nr)
-        return min(cap, -(-n // self.nr) * self.nr)
+        """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,
+        the blocks as even as that allows (768 columns: 2 x 384, not 512 + 256, so two
+        threads get equal work)."""
+        cap = max(self.nr, (self.b_block_bytes // (4 * max(1, kc))) // self.nr * self.nr)
+        panels = -(-n // self.nr)
+        blocks = -(-panels * self.nr // cap)
+        return -(-panels // blocks) * self.nr
 
 
-def k_blocks(k: int) -> tuple[int, int]:
-    """``(block count, block size)``: K split into near-equal blocks of at most ``KC_MAX``."""
-    nk = -(-k // KC_MAX)
+def k_blocks(k: int, kc: int = KC_MAX) -> tuple[int, int]:
+    """``(block count, block size)``: K split into near-equal blocks of at most ``kc``."""
+    nk = -(-k // kc)
     return nk, -(-k // nk)
 
 
@@ -76,15 +99,18 @@ def host_blocking() -> Blocking:
     return Blocking(8, 6, 16)
 
 
-def blocking_for(m: int) -> Blocking:
+def blocking_for(m: int, n: int = 0) -> Blocking:
     """The host blocking, with ``mr`` 8 instead of 12 (AVX-512) or 4 instead of 6 (AVX2) when
-    that pads the ``m`` rows by 5% less (conv with 64 output channels: 72 -> 64 rows)."""
+    that pads the ``m`` rows by 5% less (conv with 64 output channels: 72 -> 64 rows), and one
+    vector of columns (``nr = vl``) when ``n`` fits in one: DLRM's 64 products of 9x9x64 padded
+    to 32 columns did 3.5x the useful FMAs (nr 16: 0.84x the time)."""
     bl = host_blocking()
     alt = Blocking(bl.vl, 8 if bl.vl == 16 else 4, bl.nr)
 
     def waste(mr):
         return (-(-m // mr) * mr) / m - 1
-    return alt if waste(bl.mr) - waste(alt.mr) > 0.05 else bl
+    bl = alt if waste(bl.mr) - waste(alt.mr) > 0.05 else bl
+    return replace(bl, nr=bl.vl) if 0 < n <= bl.vl else bl
 
 
 @dataclass(frozen=True)
@@ -194,27 +220,34 @@ def b_source_size(d: GemmDesc) -> int:
 
 
 def _pack_b_kernel(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
-    kcmax = k_blocks(d.k)[1]
+    """Packs ``kc`` rows from ``k0`` of the ``nc`` columns from ``j0`` of B batch ``b``
+    (``info = [b, j0, k0, kc]``) into NR-column panels ``[panel][k][NR]``, zero padded.  Per
+    panel the valid columns are a copy loop with a bound (contiguous rows: plain vector loads)
+    and a zero-fill loop: a clamped index with a select per element would be a gather."""
+    if d.conv is not None:
+        return _pack_b_conv_rows(d, bl, nc)
+    kcmax = k_blocks(d.k, bl.kc)[1]
     bpk = L.Param("bpk", "float32", nc * kcmax)
     src = L.Param("bsrc", "float32", b_source_size(d))
     info = L.Param("info", "int64", 4)
-    jp, kk, jj = L.Var("jp"), L.Var("kk"), L.Var("jj")
+    V = L.Var
     b, j0 = L.Load(info, L.Const(0)), L.Load(info, L.Const(1))
     k0, kc = L.Load(info, L.Const(2)), L.Load(info, L.Const(3))
-    k = k0 + kk
-    j = j0 + jp * bl.nr + jj
-    zero = L.Const(0.0, "float32")
-    if d.conv is None and d.b_view is not None:    # B's batches and rows: the view's leading dims
-        val = L.Select(L.lt(j, d.n), L.Load(src, view_address(d.b_view, b * d.k + k, L.minimum(j, d.n - 1))),
-                       zero)
-    elif d.conv is None:
-        val = L.Select(L.lt(j, d.n), L.Load(src, b * (d.k * d.n) + k * d.n + L.minimum(j, d.n - 1)), zero)
+    k = k0 + V("kk")
+    j = V("p0") + V("jj")
+    if d.b_view is not None:    # B's batches and rows: the view's leading dims
+        val = L.Load(src, view_address(d.b_view, b * d.k + k, j))
     else:
-        ih_ok, iw_ok, addr = im2col_source(d.conv, b, k, j)
-        val = L.Select(L.land(L.land(L.lt(j, d.n), ih_ok), iw_ok), L.Load(src, addr), zero)
-    body = L.Store(bpk, (jp * kc + kk) * bl.nr + jj, val)
-    loops = L.for_("jp", 0, nc // bl.nr, L.for_("kk", 0, kc, L.for_("jj", 0, bl.nr, body, "vector")),
-                   "parallel")
+        val = L.Load(src, b * (d.k * d.n) + k * d.n + j)
+    dst = (V("jp") * kc + V("kk")) * bl.nr
+    per_k = L.block(
+        L.for_("jj", 0, V("jend"), L.Store(bpk, dst + V("jj"), val), "vector"),
+        L.for_("jj", V("jend"), bl.nr, L.Store(bpk, dst + V("jj"), L.Const(0.0, "float32")), "vector"))
+    per_panel = L.block(
+        L.Local("p0", "int64", j0 + V("jp") * bl.nr),
+        L.Local("jend", "int64", L.maximum(L.minimum(L.Const(bl.nr), d.n - V("p0")), 0)),
+        L.for_("kk", 0, kc, per_k))
+    loops = L.for_("jp", 0, nc // bl.nr, per_panel, "parallel")
     return L.Kernel(f"{d.name}_pack_b", (bpk, src, info), loops, "jp", nc // bl.nr)
 
 
@@ -244,7 +277,7 @@ def _pack_b_conv_rows(d: GemmDesc, bl: Blocking, nc: int) -> L.Kernel:
     valid output-column range (computed here) and the row's padding test."""
     from math import ceil
     g = d.conv
-    kcmax = k_blocks(d.k)[1]
+    kcmax = k_blocks(d.k, bl.kc)[1]
     bpk = L.Param("bpk", "float32", nc * kcmax)
     src = L.Param("bsrc", "float32", b_source_size(d))
     info = L.Param("info", "int64", 4)
@@ -370,57 +403,6 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
     return L.Kernel(f"{d.name}_epi", (tile, info, *ops, *outs), loops, "ii", bl.mr)
 
 
-# ------------------------------------------------------------------ LLVM IR text
-
-
-def _micro_ir(bl: Blocking) -> str:
-    """``@gemm.micro(a, b, tile, kc, first)``: ``tile[MR][NR] (= 0 if first) += sum_{k<kc}
-    a[k][MR] (x) b[k][NR]``; the accumulators start at zero and live in registers for the
-    whole k loop, the old tile is added once at the end."""
-    vt = f"<{bl.vl} x float>"
-    nv = bl.nr // bl.vl
-    accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
-    lines = ["define internal void @gemm.micro(ptr noalias nocapture readonly %a, "
-             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c, i64 %kc, i1 %first) #1 {",
-             "entry:"]
-    lines += ["  br label %loop", "loop:", "  %k = phi i64 [0, %entry], [%k1, %loop]"]
-    for r, v in accs:
-        lines.append(f"  %acc{r}_{v} = phi {vt} [zeroinitializer, %entry], [%n{r}_{v}, %loop]")
-    lines.append(f"  %bo = mul nuw nsw i64 %k, {bl.nr}")
-    for v in range(nv):
-        lines.append(f"  %bp{v} = getelementptr inbounds float, ptr %b, i64 %bo")
-        if v:
-            lines[-1] = f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}"
-        lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 64")
-    lines.append(f"  %ao = mul nuw nsw i64 %k, {bl.mr}")
-    for r in range(bl.mr):
-        lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r}",
-                  f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
-                  f"  %as{r} = load float, ptr %ap{r}, align 4",
-                  f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
-                  f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
-        for v in range(nv):
-            lines.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, "
-                         f"{vt} %acc{r}_{v})")
-    lines += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",
-              "  br i1 %kcnd, label %loop, label %exit, !llvm.loop !0", "exit:"]
-    for r, v in accs:
-        # each K block sums from zero and is then added to C: error grows with KC + K/KC, not K
-        off = r * bl.nr + v * bl.vl
-        lines += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {off}",
-                  f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align 64",
-                  f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
-                  f"  %o{r}_{v} = select i1 %first, {vt} %n{r}_{v}, {vt} %is{r}_{v}",
-                  f"  store {vt} %o{r}_{v}, ptr %ip{r}_{v}, align 64"]
-    lines += ["  ret void", "}"]
-    return "\n".join(lines)
-
-
-def _table(name: str, values) -> str:
-    vals = ", ".join(f"i64 {int(v)}" for v in values)
-    return f"@{name} = private unnamed_addr constant [{len(values)} x i64] [{vals}]"
-
-
 @dataclass(frozen=True)
 class GemmLayout:
     """The tile decomposition of the main kernel's parallel loop."""
@@ -431,156 +413,48 @@ class GemmLayout:
     pan_per_group: int  # MR-row panels per row group
     npan_a: int        # MR-row panels per A matrix
     tiles: int         # batch * njc * mg: the parallel extent
+    nkc: int = 1       # k blocks
+    kcb: int = 1       # k per block (the last may be shorter)
+    direct_a: bool = False  # micro-kernel reads A from its source rows (no packed copy)
+
+
+def direct_a_rule(d: GemmDesc, bl: Blocking) -> bool:
+    """Whether the micro-kernel broadcasts A straight from its contiguous row-major source
+    (row stride K) instead of a per-tile packed copy: only for a contiguous, not constant A
+    (a view is packed because it is strided; a constant A is packed once anyway)."""
+    if d.a_view is not None or d.a_const:
+        return False
+    # rows a multiple of 4 KiB apart share L1 sets, yet direct still measured 0.94-1.03x the
+    # packed path's time there (1024^3, 128x2048x512, 128x3072x768; 0.74-0.97x elsewhere)
+    return True if bl.direct_a is None else bl.direct_a
 
 
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     """Blocks of ``nc`` columns (``KC x nc`` packed B within ``B_BLOCK_BYTES``); rows in groups
     of at most ``MAX_PANELS`` panels, split further while there are fewer than ``4 * threads``
     tiles and a group keeps at least 4 panels."""
-    nc = bl.nc(k_blocks(d.k)[1], d.n)
+    nc = bl.nc(k_blocks(d.k, bl.kc)[1], d.n)
     njc = -(-d.n // nc)
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
-    mg = -(-npan // MAX_PANELS)
+    mg = -(-npan // bl.max_panels)
     if d.conv is not None and d.batch * njc * mg < want:
         # a conv's B block is an im2col gather that every row group repeats: split the columns
         # first (narrower blocks, the constant A panels re-read from cache instead)
         npc = -(-d.n // bl.nr)
-        nc = -(-npc // min(npc, -(-want // (d.batch * mg)))) * bl.nr
+        nc = min(nc, -(-npc // min(npc, -(-want // (d.batch * mg)))) * bl.nr)
         njc = -(-d.n // nc)
     if d.batch * njc * mg < want:
         mg = max(mg, min(-(-want // (d.batch * njc)), npan // 4))
     ppg = -(-npan // mg)
     mg = -(-npan // ppg)
-    return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg)
-
-
-def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
-    """IR lines pointing ``%bblk`` at block ``(B batch, column block, k block)`` of the B
-    packed once (:meth:`CompiledGemm.packed_b` lays the blocks out in that order)."""
-    return [f"  %bs0 = mul i64 %bv, {lay.njc}", "  %bs1 = add i64 %bs0, %jc", f"  %bs2 = mul i64 %bs1, {nkc}",
-            "  %bs3 = add i64 %bs2, %pc", f"  %bso = mul i64 %bs3, {lay.nc * kcb}",
-            "  %bblk = getelementptr float, ptr %bsrc, i64 %bso"]
+    nkc, kcb = k_blocks(d.k, bl.kc)
+    return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg, nkc, kcb, direct_a_rule(d, bl))
 
 
 def packed_b_size(d: GemmDesc, lay: GemmLayout) -> int:
     """Floats of a B packed once: every (B batch, column block, k block) block at full size."""
-    nkc, kcb = k_blocks(d.k)
-    return (max(d.b_index) + 1) * lay.njc * nkc * lay.nc * kcb
-
-
-def _main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epi: str) -> str:
-    n_extra = len(d.operands) + len(d.outputs)
-    nkc, kcb = k_blocks(d.k)
-    a_tab = list(d.a_index)
-    b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
-    tile = bl.mr * bl.nr
-    npb = lay.nc // bl.nr
-    bbytes = -(-(lay.nc * kcb * 4) // 64) * 64
-    cbytes = lay.pan_per_group * npb * tile * 4
-    abytes = lay.pan_per_group * d.k * bl.mr * 4
-    per_t = lay.njc * lay.mg
-    s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
-         "  %asrc = load ptr, ptr %args",
-         f"  %ascr = call ptr @aligned_alloc(i64 64, i64 {abytes})",
-         "  %ainfo = alloca [2 x i64], align 8", "  %aargs = alloca [3 x ptr], align 8",
-         "  store ptr %ascr, ptr %aargs",
-         "  %aa1 = getelementptr ptr, ptr %aargs, i64 1", "  store ptr %asrc, ptr %aa1",
-         "  %aa2 = getelementptr ptr, ptr %aargs, i64 2", "  store ptr %ainfo, ptr %aa2",
-         "  %ai1 = getelementptr i64, ptr %ainfo, i64 1",
-         "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %bsrc = load ptr, ptr %g1",
-         f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {bbytes})",
-         f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
-         "  %pinfo = alloca [4 x i64], align 8", "  %einfo = alloca [4 x i64], align 8",
-         "  %pargs = alloca [3 x ptr], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
-         "  store ptr %bscr, ptr %pargs",
-         "  %pa1 = getelementptr ptr, ptr %pargs, i64 1", "  store ptr %bsrc, ptr %pa1",
-         "  %pa2 = getelementptr ptr, ptr %pargs, i64 2", "  store ptr %pinfo, ptr %pa2",
-         "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
-         "  %pi1 = getelementptr i64, ptr %pinfo, i64 1",
-         "  %pi2 = getelementptr i64, ptr %pinfo, i64 2",
-         "  %pi3 = getelementptr i64, ptr %pinfo, i64 3",
-         "  %ei1 = getelementptr i64, ptr %einfo, i64 1",
-         "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
-         "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
-    for q in range(n_extra):
-        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
-              f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
-    s += ["  br label %tcond",
-          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
-          "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
-          "tbody:",
-          f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
-          f"  %jc = udiv i64 %rem, {lay.mg}", f"  %ig = urem i64 %rem, {lay.mg}",
-          f"  %j0 = mul i64 %jc, {lay.nc}", f"  %nleft = sub i64 {d.n}, %j0",
-          f"  %ncols = call i64 @llvm.smin.i64(i64 %nleft, i64 {lay.nc})",
-          f"  %ncr = add i64 %ncols, {bl.nr - 1}", f"  %npan = udiv i64 %ncr, {bl.nr}",
-          f"  %btp = getelementptr [{len(b_tab)} x i64], ptr @gemm.btab, i64 0, i64 %b",
-          "  %bv = load i64, ptr %btp",
-          f"  %atp = getelementptr [{len(a_tab)} x i64], ptr @gemm.atab, i64 0, i64 %b",
-          "  %abv = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
-          f"  %ip0 = mul i64 %ig, {lay.pan_per_group}", f"  %ipe = add i64 %ip0, {lay.pan_per_group}",
-          f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
-          *([f"  %apo0 = mul i64 %abv, {lay.npan_a}", "  %apo1 = add i64 %apo0, %ip0",
-             f"  %apo = mul i64 %apo1, {d.k * bl.mr}", "  %ablk = getelementptr float, ptr %asrc, i64 %apo"]
-            if d.a_const else
-            ["  store i64 %abv, ptr %ainfo", "  store i64 %ip0, ptr %ai1", "  %npa = sub i64 %ip1, %ip0",
-             f"  call void @{pack_a}(ptr %aargs, i64 0, i64 %npa) #2",   # not inlined: compile time
-             "  %ablk = getelementptr float, ptr %ascr, i64 0"]),
-          "  br label %pcond",
-          "pcond:", "  %pc = phi i64 [0, %tbody], [%pcn, %inext_p]",
-          f"  %pcc = icmp slt i64 %pc, {nkc}", "  br i1 %pcc, label %pbody, label %tnext",
-          "pbody:",
-          f"  %k0 = mul i64 %pc, {kcb}", f"  %kleft = sub i64 {d.k}, %k0",
-          f"  %kc = call i64 @llvm.smin.i64(i64 %kleft, i64 {kcb})",
-          "  %first = icmp eq i64 %pc, 0", f"  %last = icmp eq i64 %pc, {nkc - 1}",
-          *(_packed_block_ir(lay, nkc, kcb) if d.b_const else
-            ["  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
-             "  store i64 %k0, ptr %pi2", "  store i64 %kc, ptr %pi3",
-             f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
-             "  %bblk = getelementptr float, ptr %bscr, i64 0"]),
-          f"  %ak0 = mul i64 %k0, {bl.mr}",
-          f"  %bstride = mul i64 %kc, {bl.nr}",
-          "  br label %icond",
-          "icond:", "  %ip = phi i64 [%ip0, %pbody], [%ipn, %inext]",
-          "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_p",
-          "ibody:",
-          f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
-          f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})",
-          "  %ipl = sub i64 %ip, %ip0",
-          f"  %aoff0 = mul i64 %ipl, {d.k * bl.mr}", "  %aoff = add i64 %aoff0, %ak0",
-          "  %ap = getelementptr float, ptr %ablk, i64 %aoff", "  store i64 %i0, ptr %ei1",
-          f"  %crow = mul i64 %ipl, {npb * tile}",
-          "  br label %jcond",
-          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
-          "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
-          "jbody:",
-          "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bblk, i64 %boff",
-          f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
-          "  %cp = getelementptr float, ptr %cscr, i64 %coff",
-          "  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)",
-          "  br i1 %last, label %epib, label %jlatch",
-          "epib:",
-          f"  %jpc = mul i64 %jp, {bl.nr}", "  %jj0 = add i64 %j0, %jpc", "  store i64 %jj0, ptr %ei2",
-          f"  %nl = sub i64 {d.n}, %jj0", f"  %nr = call i64 @llvm.smin.i64(i64 %nl, i64 {bl.nr})",
-          "  store i64 %nr, ptr %ei3", "  store ptr %cp, ptr %eargs",
-          f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)",
-          "  br label %jlatch",
-          "jlatch:", "  %jpn = add i64 %jp, 1", "  br label %jcond",
-          "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
-          "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
-          "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
-          "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
-    head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
-            f"KC {kcb}, NC {lay.nc}",
-            _table("gemm.atab", a_tab), _table("gemm.btab", b_tab),
-            "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
-            "declare i64 @llvm.smin.i64(i64, i64)",
-            f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
-            f"<{bl.vl} x float>)",
-            f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
-            f"declare void @{epi}(ptr, i64, i64)"]
-    return "\n".join(head) + "\n" + _micro_ir(bl) + "\n" + "\n".join(s)
+    return (max(d.b_index) + 1) * lay.njc * lay.nkc * lay.nc * lay.kcb
 
 
 # ------------------------------------------------------------------ compile
@@ -624,7 +498,7 @@ class CompiledGemm:
         if src is bsrc:
             return packed
         d, lay = self.desc, self.layout
-        nkc, kcb = k_blocks(d.k)
+        nkc, kcb = lay.nkc, lay.kcb
         blk = lay.nc * kcb
         packed = _aligned_zeros(packed_b_size(d, lay))  # the micro-kernel's B loads are aligned
         info = np.zeros(4, np.int64)
@@ -675,7 +549,7 @@ def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
     pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)
     epi = _epilogue_kernel(d, bl)
     texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pack_a, pack_b, epi)]
-    main = _main_ir(d, bl, lay, pack_a.name, pack_b.name, epi.name)
+    main = main_ir(d, bl, lay, pack_a.name, pack_b.name, epi.name)
     main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
              f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
              "attributes #2 = { noinline }\n"
@@ -685,7 +559,7 @@ def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
 
 def render_gemm(d: GemmDesc, threads: int = 2) -> str:
     """Unoptimised LLVM IR of ``d``: the main kernel and micro-kernel, then the loop-IR parts."""
-    bl = blocking_for(d.m)
+    bl = blocking_for(d.m, d.n)
     main, texts, _ = _render(d, bl, layout(d, bl, threads))
     return "\n".join([main, *texts])
 
@@ -703,7 +577,7 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
     named, d = d, canonical(d)
-    bl = bl or blocking_for(d.m)
+    bl = bl or blocking_for(d.m, d.n)
     lay = layout(d, bl, threads)
     pack_a = _pack_a_kernel(d, bl, lay.pan_per_group)
     pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)

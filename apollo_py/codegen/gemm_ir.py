@@ -1,0 +1,249 @@
+"""LLVM IR text of the generated GEMM (codegen/gemm.py): the micro-kernels and the main
+kernel's tile loops, written as text because their register blocking is the point (24 named
+accumulators, constant displacements) and loop IR would leave it to the vectoriser.
+
+No runtime import of gemm.py: it imports this module.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from apollo_py.codegen.gemm import Blocking, GemmDesc, GemmLayout
+
+
+def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int = 0, c_rs: int = 0) -> str:
+    """``@<name>(a, b, c, kc, first)``: ``C[MR][NR] (= 0 if first) += sum_{k<kc}
+    A[r][k] (x) b[k][NR]`` with ``A[r][k] = a[r * a_rs + k * a_ks]`` -- a packed panel
+    ``a[k][MR]`` (``a_rs = 1, a_ks = MR``, the default) or rows of a row-major source
+    (``a_rs = K, a_ks = 1``: constant displacements, one pointer) -- and ``C[r][j] =
+    c[r * c_rs + j]``: the 64-byte aligned tile scratch (``c_rs = NR``, the default) or the
+    output itself (``c_rs`` its row length; any alignment).  The accumulators start at zero
+    and live in registers for the whole k loop; C is written once at the end (stored on the
+    first K block, loaded and added on the others)."""
+    a_ks = a_ks or bl.mr
+    calign = 64 if not c_rs else 4
+    c_rs = c_rs or bl.nr
+    vt = f"<{bl.vl} x float>"
+    nv = bl.nr // bl.vl
+    accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
+    lines = [f"define internal void @{name}(ptr noalias nocapture readonly %a, "
+             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c, i64 %kc, i1 %first) #1 {",
+             "entry:"]
+    lines += ["  br label %loop", "loop:", "  %k = phi i64 [0, %entry], [%k1, %loop]"]
+    for r, v in accs:
+        lines.append(f"  %acc{r}_{v} = phi {vt} [zeroinitializer, %entry], [%n{r}_{v}, %loop]")
+    lines.append(f"  %bo = mul nuw nsw i64 %k, {bl.nr}")
+    for v in range(nv):
+        lines.append(f"  %bp{v} = getelementptr inbounds float, ptr %b, i64 %bo")
+        if v:
+            lines[-1] = f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}"
+        lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 64")
+    lines.append(f"  %ao = mul nuw nsw i64 %k, {a_ks}")
+    for r in range(bl.mr):
+        lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r * a_rs}",
+                  f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
+                  f"  %as{r} = load float, ptr %ap{r}, align 4",
+                  f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
+                  f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
+        for v in range(nv):
+            lines.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, "
+                         f"{vt} %acc{r}_{v})")
+    lines += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",
+              "  br i1 %kcnd, label %loop, label %exit, !llvm.loop !0", "exit:"]
+    # each K block sums from zero and is then added to C: error grows with KC + K/KC, not K
+    lines.append("  br i1 %first, label %st, label %acc")
+    lines.append("st:")
+    for r, v in accs:
+        lines += [f"  %sp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
+                  f"  store {vt} %n{r}_{v}, ptr %sp{r}_{v}, align {calign}"]
+    lines += ["  ret void", "acc:"]
+    for r, v in accs:
+        lines += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
+                  f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align {calign}",
+                  f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
+                  f"  store {vt} %is{r}_{v}, ptr %ip{r}_{v}, align {calign}"]
+    lines += ["  ret void", "}"]
+    return "\n".join(lines)
+
+
+def _table(name: str, values) -> str:
+    vals = ", ".join(f"i64 {int(v)}" for v in values)
+    return f"@{name} = private unnamed_addr constant [{len(values)} x i64] [{vals}]"
+
+
+def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
+    """IR lines pointing ``%bblk`` at block ``(B batch, column block, k block)`` of the B
+    packed once (:meth:`CompiledGemm.packed_b` lays the blocks out in that order)."""
+    return [f"  %bs0 = mul i64 %bv, {lay.njc}", "  %bs1 = add i64 %bs0, %jc", f"  %bs2 = mul i64 %bs1, {nkc}",
+            "  %bs3 = add i64 %bs2, %pc", f"  %bso = mul i64 %bs3, {lay.nc * kcb}",
+            "  %bblk = getelementptr float, ptr %bsrc, i64 %bso"]
+
+
+def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epi: str) -> str:
+    n_extra = len(d.operands) + len(d.outputs)
+    plain = plain_output(d)
+    nkc, kcb = lay.nkc, lay.kcb
+    a_tab = list(d.a_index)
+    b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
+    tile = bl.mr * bl.nr
+    npb = lay.nc // bl.nr
+    bbytes = -(-(lay.nc * kcb * 4) // 64) * 64
+    cbytes = lay.pan_per_group * npb * tile * 4
+    abytes = lay.pan_per_group * d.k * bl.mr * 4
+    per_t = lay.njc * lay.mg
+    s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
+         "  %asrc = load ptr, ptr %args",
+         f"  %ascr = call ptr @aligned_alloc(i64 64, i64 {abytes})",
+         "  %ainfo = alloca [2 x i64], align 8", "  %aargs = alloca [3 x ptr], align 8",
+         "  store ptr %ascr, ptr %aargs",
+         "  %aa1 = getelementptr ptr, ptr %aargs, i64 1", "  store ptr %asrc, ptr %aa1",
+         "  %aa2 = getelementptr ptr, ptr %aargs, i64 2", "  store ptr %ainfo, ptr %aa2",
+         "  %ai1 = getelementptr i64, ptr %ainfo, i64 1",
+         "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %bsrc = load ptr, ptr %g1",
+         f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {bbytes})",
+         f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
+         "  %pinfo = alloca [4 x i64], align 8", "  %einfo = alloca [4 x i64], align 8",
+         "  %pargs = alloca [3 x ptr], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
+         "  store ptr %bscr, ptr %pargs",
+         "  %pa1 = getelementptr ptr, ptr %pargs, i64 1", "  store ptr %bsrc, ptr %pa1",
+         "  %pa2 = getelementptr ptr, ptr %pargs, i64 2", "  store ptr %pinfo, ptr %pa2",
+         "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
+         "  %pi1 = getelementptr i64, ptr %pinfo, i64 1",
+         "  %pi2 = getelementptr i64, ptr %pinfo, i64 2",
+         "  %pi3 = getelementptr i64, ptr %pinfo, i64 3",
+         "  %ei1 = getelementptr i64, ptr %einfo, i64 1",
+         "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
+         "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
+    for q in range(n_extra):
+        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
+              f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
+    s += ["  br label %tcond",
+          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
+          "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
+          "tbody:",
+          f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
+          f"  %jc = udiv i64 %rem, {lay.mg}", f"  %ig = urem i64 %rem, {lay.mg}",
+          f"  %j0 = mul i64 %jc, {lay.nc}", f"  %nleft = sub i64 {d.n}, %j0",
+          f"  %ncols = call i64 @llvm.smin.i64(i64 %nleft, i64 {lay.nc})",
+          f"  %ncr = add i64 %ncols, {bl.nr - 1}", f"  %npan = udiv i64 %ncr, {bl.nr}",
+          f"  %btp = getelementptr [{len(b_tab)} x i64], ptr @gemm.btab, i64 0, i64 %b",
+          "  %bv = load i64, ptr %btp",
+          f"  %atp = getelementptr [{len(a_tab)} x i64], ptr @gemm.atab, i64 0, i64 %b",
+          "  %abv = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
+          f"  %ip0 = mul i64 %ig, {lay.pan_per_group}", f"  %ipe = add i64 %ip0, {lay.pan_per_group}",
+          f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
+          *([f"  %apo0 = mul i64 %abv, {lay.npan_a}", "  %apo1 = add i64 %apo0, %ip0",
+             f"  %apo = mul i64 %apo1, {d.k * bl.mr}", "  %ablk = getelementptr float, ptr %asrc, i64 %apo"]
+            if d.a_const else
+            ["  store i64 %abv, ptr %ainfo", "  store i64 %ip0, ptr %ai1", "  %npa = sub i64 %ip1, %ip0",
+             f"  call void @{pack_a}(ptr %aargs, i64 0, i64 %npa) #2",   # not inlined: compile time
+             "  %ablk = getelementptr float, ptr %ascr, i64 0"] if not lay.direct_a else
+            _direct_a_tile_ir(d, bl, pack_a)),
+          "  br label %tpre", "tpre:",
+          "  br label %pcond",
+          "pcond:", "  %pc = phi i64 [0, %tpre], [%pcn, %inext_p]",
+          f"  %pcc = icmp slt i64 %pc, {nkc}", "  br i1 %pcc, label %pbody, label %tnext",
+          "pbody:",
+          f"  %k0 = mul i64 %pc, {kcb}", f"  %kleft = sub i64 {d.k}, %k0",
+          f"  %kc = call i64 @llvm.smin.i64(i64 %kleft, i64 {kcb})",
+          "  %first = icmp eq i64 %pc, 0", f"  %last = icmp eq i64 %pc, {nkc - 1}",
+          *(_packed_block_ir(lay, nkc, kcb) if d.b_const else
+            ["  store i64 %bv, ptr %pinfo", "  store i64 %j0, ptr %pi1",
+             "  store i64 %k0, ptr %pi2", "  store i64 %kc, ptr %pi3",
+             f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
+             "  %bblk = getelementptr float, ptr %bscr, i64 0"]),
+          f"  %ak0 = mul i64 %k0, {bl.mr}",
+          f"  %bstride = mul i64 %kc, {bl.nr}",
+          "  br label %icond",
+          "icond:", "  %ip = phi i64 [%ip0, %pbody], [%ipn, %inext]",
+          "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_p",
+          "ibody:",
+          f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
+          f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})",
+          "  %ipl = sub i64 %ip, %ip0",
+          f"  %aoff0 = mul i64 %ipl, {d.k * bl.mr}", "  %aoff = add i64 %aoff0, %ak0",
+          "  %ap = getelementptr float, ptr %ablk, i64 %aoff", "  store i64 %i0, ptr %ei1",
+          *([f"  %dr0 = add i64 %arow0, %i0", f"  %dr1 = mul i64 %dr0, {d.k}", "  %dr2 = add i64 %dr1, %k0",
+             "  %apd = getelementptr float, ptr %asrc, i64 %dr2",
+             f"  %isd = icmp slt i64 %ip, {d.m // bl.mr}"] if lay.direct_a else []),
+          f"  %crow = mul i64 %ipl, {npb * tile}",
+          "  br label %jcond",
+          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
+          "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
+          "jbody:",
+          "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bblk, i64 %boff",
+          f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
+          "  %cp = getelementptr float, ptr %cscr, i64 %coff",
+          *(_direct_c_ir(d, bl, lay) if plain else []),
+          *(["  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if not lay.direct_a else
+            ["  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if d.m % bl.mr == 0 else
+            ["  br i1 %isd, label %mdir, label %mpak",
+             "mdir:", "  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)", "  br label %mdone",
+             "mpak:", "  call void @gemm.micro_r(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)", "  br label %mdone",
+             "mdone:"]),
+          "  br i1 %last, label %epib, label %jlatch",
+          "epib:",
+          f"  %jpc = mul i64 %jp, {bl.nr}", "  %jj0 = add i64 %j0, %jpc", "  store i64 %jj0, ptr %ei2",
+          f"  %nl = sub i64 {d.n}, %jj0", f"  %nr = call i64 @llvm.smin.i64(i64 %nl, i64 {bl.nr})",
+          "  store i64 %nr, ptr %ei3", "  store ptr %cp, ptr %eargs",
+          f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)",
+          "  br label %jlatch",
+          "jlatch:", "  %jpn = add i64 %jp, 1", "  br label %jcond",
+          "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
+          "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
+          "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
+          "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
+    head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
+            f"KC {kcb}, NC {lay.nc}",
+            _table("gemm.atab", a_tab), _table("gemm.btab", b_tab),
+            "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
+            "declare i64 @llvm.smin.i64(i64, i64)",
+            f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
+            f"<{bl.vl} x float>)",
+            f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
+            f"declare void @{epi}(ptr, i64, i64)"]
+    micro = _micro_ir(bl)
+    if plain:
+        micro += "\n" + (_micro_ir(bl, "gemm.micro_dc", d.k, 1, d.n) if lay.direct_a
+                         else _micro_ir(bl, "gemm.micro_c", c_rs=d.n))
+    if lay.direct_a:
+        micro += "\n" + _micro_ir(bl, "gemm.micro_d", d.k, 1)
+        if d.m % bl.mr:
+            micro += "\n" + _micro_ir(replace(bl, mr=d.m % bl.mr), "gemm.micro_r", d.k, 1)
+    return "\n".join(head) + "\n" + micro + "\n" + "\n".join(s)
+
+
+def plain_output(d: GemmDesc) -> bool:
+    """Whether C is stored as computed: no epilogue nodes, one float32 output, row-major (not
+    transposed).  Then full ``MR x NR`` tiles skip the scratch and the epilogue call: the
+    micro-kernel writes (and on later K blocks accumulates into) the output directly."""
+    return not d.nodes and len(d.outputs) == 1 and d.out_perm is None and tuple(d.out_dtypes) == ("float32",)
+
+
+def _direct_c_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout) -> list:
+    """jbody IR of a plain product: a full tile (all MR rows, all NR columns inside C) runs
+    the micro-kernel on the output and goes to the next panel; the rest fall through to the
+    scratch + epilogue path."""
+    out_arg = f"%x{len(d.operands)}"
+    a_ptr, micro = ("%apd", "gemm.micro_dc") if lay.direct_a else ("%ap", "gemm.micro_c")
+    lines = [f"  %qpc = mul i64 %jp, {bl.nr}", "  %qj0 = add i64 %j0, %qpc", f"  %qje = add i64 %qj0, {bl.nr}",
+             f"  %qcf = icmp sle i64 %qje, {d.n}"]
+    if d.m % bl.mr:
+        lines += [f"  %qrf = icmp slt i64 %ip, {d.m // bl.mr}", "  %qfull = and i1 %qcf, %qrf"]
+    else:
+        lines += ["  %qfull = or i1 %qcf, false"]
+    lines += [f"  %qr0 = mul i64 %b, {d.m}", "  %qr1 = add i64 %qr0, %i0", f"  %qo0 = mul i64 %qr1, {d.n}",
+              "  %qo1 = add i64 %qo0, %qj0", f"  %qop = getelementptr float, ptr {out_arg}, i64 %qo1",
+              "  br i1 %qfull, label %qdir, label %qscr",
+              "qdir:", f"  call void @{micro}(ptr {a_ptr}, ptr %bp, ptr %qop, i64 %kc, i1 %first)",
+              "  br label %jlatch", "qscr:"]
+    return lines
+
+
+def _direct_a_tile_ir(d: GemmDesc, bl: Blocking, pack_a: str) -> list:
+    """Per-tile IR of a direct A: ``%arow0`` is the A batch's first row (a partial last panel
+    runs ``gemm.micro_r``, the same micro-kernel with ``m % MR`` rows: reading MR rows there
+    would run past the matrix)."""
+    return [f"  %arow0 = mul i64 %abv, {d.m}", "  %ablk = getelementptr float, ptr %ascr, i64 0"]

@@ -1,0 +1,83 @@
+"""Blockings and paths of the generated GEMM (codegen/gemm.py) against numpy: A read direct
+or packed, full tiles written into the output or through the scratch and the epilogue, a
+partial row panel, several K and column blocks, one-vector NR, explicit Blocking fields."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from apollo_py.codegen import loopir as L
+from apollo_py.codegen.gemm import (Blocking, EpiOperand, blocking_for, compile_gemm, layout, matmul_desc,
+                                    plain_output, render_gemm)
+from apollo_py.ir.graph import Node
+from apollo_py.runtime.threadpool import ThreadPool
+
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ThreadPool(2)
+    yield p
+    p.close()
+
+
+def _check(pool, xs, ys, bl_kw, epilogue=False, seed=0):
+    rng = np.random.default_rng(seed)
+    x, y = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ys).astype(np.float32)
+    want = np.matmul(x.astype(np.float64), y.astype(np.float64))
+    kw = dict(outputs=("h",), out_dtypes=("float32",))
+    ops = []
+    if epilogue:    # bias + relu: not a plain product, every tile goes through the epilogue
+        bias = rng.standard_normal(want.shape[-1]).astype(np.float32)
+        kw = dict(nodes=(Node("add", ("h", "bias"), ("a",)), Node("max", ("a", "zero"), ("z",))),
+                  operands=(EpiOperand("bias", "float32", bias.shape),), outputs=("z",),
+                  out_dtypes=("float32",), node_dtypes=("float32",) * 2,
+                  inline_consts={"zero": L.Const(0.0, "float32")})
+        ops = [bias]
+        want = np.maximum(want + bias, 0)
+    d = matmul_desc("g", xs, ys, want.shape, "h", **kw)
+    assert plain_output(d) is not epilogue
+    bl = replace(blocking_for(d.m, d.n), **bl_kw)
+    cg = compile_gemm(d, 2, bl)
+    out = np.full(want.shape, np.nan, np.float32)
+    cg.run(pool, x, y, ops, [out])
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=RTOL * np.sqrt(xs[-1]))
+    return cg
+
+
+@pytest.mark.parametrize("xs,ys,bl_kw", [
+    ((37, 600), (600, 70), {}),                      # partial row panel + columns, 3 K blocks, direct A
+    ((37, 600), (600, 70), {"direct_a": False}),     # the same through the packed A
+    ((37, 600), (600, 70), {"vl": 8, "mr": 6, "nr": 16}),    # the AVX2 blocking
+    ((48, 600), (600, 64), {}),                      # every tile full: the output accumulates K blocks
+    ((5, 9, 64), (5, 64, 9), {}),                    # batched, N fits one vector: NR = VL
+    ((30, 50), (50, 20), {"kc": 16}),                # many short K blocks
+    ((40, 64), (64, 300), {"b_block_bytes": 64 * 64 * 4}),   # several column blocks
+    ((2, 3, 25, 40), (2, 3, 40, 33), {"max_panels": 1}),     # one panel per row group
+])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_paths_match_numpy(pool, xs, ys, bl_kw, epilogue):
+    _check(pool, xs, ys, bl_kw, epilogue)
+
+
+def test_blocking_rules():
+    bl = blocking_for(100, 1000)
+    assert blocking_for(9, 9).nr == bl.vl and blocking_for(9, bl.vl + 1).nr == bl.nr
+    # column blocks as even as the B block allows: 768 columns at KC 256 are 2 x 384 (AVX-512)
+    blocks = -(-768 // bl.nc(256, 768))
+    assert bl.nc(256, 768) * blocks - 768 < bl.nr * blocks
+    d = matmul_desc("g", (66, 300), (300, 50), (66, 50), "h", outputs=("h",), out_dtypes=("float32",))
+    lay = layout(d, replace(bl, kc=64), 2)
+    assert (lay.nkc, lay.kcb) == (5, 60) and lay.direct_a
+    assert not layout(replace(d, a_const=True), bl, 2).direct_a
+    text = render_gemm(d)
+    assert "gemm.micro_dc" in text and (("gemm.micro_r" in text) == (66 % blocking_for(66, 50).mr != 0))
+
+
+def test_blocking_is_part_of_the_compiled_key(pool):
+    """Two KC values of one descriptor are two kernels (a shared engine would read a B packed
+    for the other KC)."""
+    a = _check(pool, (20, 500), (500, 40), {"kc": 500})
+    b = _check(pool, (20, 500), (500, 40), {"kc": 100})
+    assert a.layout.nkc == 1 and b.layout.nkc == 5 and a.engine is not b.engine
