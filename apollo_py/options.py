@@ -24,6 +24,8 @@ TARGETS = ("cpu", "reference", "cuda", "cuda-emu")
 GEMM_CHOICES = ("auto", "generated", "blas")
 #: valid ``Options.tune`` values (apollo_py/tuning/: stored per-piece decisions)
 TUNE_CHOICES = ("off", "replay", "tune")
+#: valid ``Options.attention`` values (layers/attention.py)
+ATTENTION_CHOICES = ("auto", "fused", "unfused")
 
 
 def _default_max_memory() -> int | None:
@@ -77,6 +79,8 @@ class Options:
     right operand, BLAS for the rest and for thin products: see layers/gemm_lowering.py),
     "generated" (the generated GEMM, epilogue fused) or "blas".
     2-d float32 convs always run as the generated implicit GEMM.
+    ``attention``: "auto" / "fused" (``Q K^T -> softmax -> P V`` triples run as one fused
+    attention kernel, layers/attention.py) or "unfused" (two GEMMs and a stitched softmax).
     ``max_memory``: bytes one compiled model may need: every tensor the model declares, its
     constants, and the memory plan (arena and outputs) are checked at compile time, before
     anything is allocated (ResourceError naming the node or value); default 80% of physical
@@ -99,6 +103,7 @@ class Options:
     model_name: str = ""
     progress: bool | None = None
     gemm: str = "auto"
+    attention: str = "auto"
     machine: object = None
     max_memory: int | None = field(default_factory=_default_max_memory)
     compile_timeout: float | None = None
@@ -122,6 +127,8 @@ class Options:
             bad("tune_budget", "a number of seconds > 0")
         if self.gemm not in GEMM_CHOICES:
             bad("gemm", f"one of {list(GEMM_CHOICES)}")
+        if self.attention not in ATTENTION_CHOICES:
+            bad("attention", f"one of {list(ATTENTION_CHOICES)}")
         if not _is_int(self.schedule_budget) or self.schedule_budget < 1:
             bad("schedule_budget", "an int >= 1")
         if self.schedule_timeout is not None and not (_is_real(self.schedule_timeout) and self.schedule_timeout > 0):

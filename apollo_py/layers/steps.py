@@ -76,6 +76,9 @@ class StepSpec:
         if self.gemm is not None:
             if kind == "c":
                 return f"; generated GEMM {self.gemm.name} has LLVM source only ({self.reason})"
+            from ..codegen.attention import AttentionDesc, render_attention
+            if isinstance(self.gemm, AttentionDesc):
+                return render_attention(self.gemm)
             from ..codegen.conv_direct import DirectConvDesc, render_direct_conv
             if isinstance(self.gemm, DirectConvDesc):
                 return render_direct_conv(self.gemm)

@@ -29,7 +29,11 @@ class GemmStep:
         """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set), through the piecewise
         cache in ``cache_dir``."""
         import os
+        from ..codegen.attention import AttentionDesc
         from ..codegen.conv_direct import DirectConvDesc, compile_direct_conv
+        if isinstance(spec.gemm, AttentionDesc):     # layers/attention.py: one fused attention
+            from .attention_step import AttentionStep
+            return AttentionStep.build(spec, threads, cache_dir)
         from ..codegen.gemm import compile_gemm
         consts = tuple(getattr(spec, "const_inputs", ()))
         if isinstance(spec.gemm, DirectConvDesc):

@@ -83,6 +83,8 @@ def _step_cost(step, types) -> tuple[int, int, str]:
         return nbytes, int(desc.flops), f"blas {desc.formula()}"
     compiled = getattr(step, "compiled", None)
     d = getattr(compiled, "desc", None)
+    if d is not None and hasattr(d, "dk"):                             # fused attention
+        return nbytes, int(d.flops), f"attention {d.name}"
     if d is not None and hasattr(d, "m"):                              # generated GEMM
         return nbytes, int(2 * d.batch * d.m * d.n * d.k), f"gemm {d.name}"
     nodes = getattr(step, "nodes", ())

@@ -164,7 +164,8 @@ def _attention_model(s=17, heads=3, d=8, seed=10):
 def test_attention_block_has_no_numpy_matmul_step():
     s, heads, d = 17, 3, 8
     model, w = _attention_model(s, heads, d)
-    f = ap.jit(model, target="cpu")
+    # the two-GEMM form (Options.attention="fused"/"auto" makes it one step: tests/layers/test_attention.py)
+    f = ap.jit(model, target="cpu", options=ap.Options(attention="unfused"))
     x = _rand(np.random.default_rng(11), 1, s, heads * d)
     mask = np.where(np.arange(s) < 13, 0.0, -1e4).astype(np.float32).reshape(1, 1, 1, s)
     got = f(x, mask)

@@ -1,0 +1,225 @@
+"""Fused attention (layers/attention.py, codegen/attention.py) against onnxruntime: the
+exporters' spellings (BERT's scale + additive mask with the head transposes read in place,
+T5's position bias without scale, GPT-2's causal where / additive -inf, Llama's GQA
+repeat_kv), odd sequence lengths, plan pins, and the fallback when the pattern differs."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import apollo_py as ap
+
+ort = pytest.importorskip("onnxruntime")
+N_ = helper.make_node
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    g = helper.make_graph(nodes, "attn", [helper.make_tensor_value_info(n, TensorProto.FLOAT if t is None else t, s)
+                                          for n, s, t in inputs],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+                          initializer=list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _bert(b, h, m, n, d):
+    """[B, S, H, d] heads transposed by the exporters' Transpose nodes, / sqrt(d), + mask."""
+    nodes = [N_("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]), N_("Transpose", ["k1"], ["kt"], perm=[0, 2, 3, 1]),
+             N_("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]), N_("MatMul", ["q", "kt"], ["s0"]),
+             N_("Div", ["s0", "sq"], ["s1"]), N_("Add", ["s1", "mask"], ["s"]),
+             N_("Softmax", ["s"], ["p"], axis=-1), N_("MatMul", ["p", "v"], ["c0"]),
+             N_("Transpose", ["c0"], ["y"], perm=[0, 2, 1, 3])]
+    ins = [("q1", [b, m, h, d], None), ("k1", [b, n, h, d], None), ("v1", [b, n, h, d], None),
+           ("mask", [b, 1, 1, n], None)]
+    return _model(nodes, ins, ["y"], [numpy_helper.from_array(np.array(np.sqrt(d), np.float32), "sq")])
+
+
+def _bert_scaled_heads(b, h, m, n, d):
+    """HF BERT as torch exports it: Q and K^T each multiplied by d^-1/4 after their head
+    transposes (a transpose-mul kernel each, unfused), + mask."""
+    nodes = [N_("Transpose", ["q1"], ["q0"], perm=[0, 2, 1, 3]), N_("Mul", ["q0", "c"], ["q"]),
+             N_("Transpose", ["k1"], ["kt0"], perm=[0, 2, 3, 1]), N_("Mul", ["kt0", "c"], ["kt"]),
+             N_("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]), N_("MatMul", ["q", "kt"], ["s0"]),
+             N_("Add", ["s0", "mask"], ["s"]), N_("Softmax", ["s"], ["p"], axis=-1), N_("MatMul", ["p", "v"], ["c0"]),
+             N_("Transpose", ["c0"], ["y"], perm=[0, 2, 1, 3])]
+    ins = [("q1", [b, m, h, d], None), ("k1", [b, n, h, d], None), ("v1", [b, n, h, d], None),
+           ("mask", [b, 1, 1, n], None)]
+    return _model(nodes, ins, ["y"], [numpy_helper.from_array(np.array([d ** -0.25], np.float32), "c")])
+
+
+def _t5(b, h, m, n, d):
+    """No scale; a relative position bias [1, H, M, N] added to the scores."""
+    nodes = [N_("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N_("MatMul", ["q", "kt"], ["s0"]),
+             N_("Add", ["s0", "bias"], ["s"]), N_("Softmax", ["s"], ["p"], axis=-1), N_("MatMul", ["p", "v"], ["y"])]
+    ins = [("q", [b, h, m, d], None), ("k", [b, h, n, d], None), ("v", [b, h, n, d], None), ("bias", [1, h, m, n], None)]
+    return _model(nodes, ins, ["y"])
+
+
+def _causal_where(b, h, m, n, d):
+    """GPT-2 (torchscript): where(tril, s * scale, -inf) with a constant boolean mask."""
+    tril = np.tril(np.ones((m, n), bool), k=n - m).reshape(1, 1, m, n)
+    nodes = [N_("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N_("MatMul", ["q", "kt"], ["s0"]),
+             N_("Mul", ["s0", "sc"], ["s1"]), N_("Where", ["tril", "s1", "ninf"], ["s"]),
+             N_("Softmax", ["s"], ["p"], axis=-1), N_("MatMul", ["p", "v"], ["y"])]
+    ins = [("q", [b, h, m, d], None), ("k", [b, h, n, d], None), ("v", [b, h, n, d], None)]
+    inits = [numpy_helper.from_array(tril, "tril"), numpy_helper.from_array(np.array(-np.inf, np.float32), "ninf"),
+             numpy_helper.from_array(np.array(d ** -0.5, np.float32), "sc")]
+    return _model(nodes, ins, ["y"], inits)
+
+
+def _causal_add(b, h, m, n, d):
+    """Additive -inf causal mask, then dynamo's where(p != p, 0, p) after the softmax."""
+    tri = np.where(np.tril(np.ones((m, n), bool), k=n - m), 0, -np.inf).astype(np.float32).reshape(1, 1, m, n)
+    nodes = [N_("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N_("MatMul", ["q", "kt"], ["s0"]),
+             N_("Add", ["s0", "tri"], ["s"]), N_("Softmax", ["s"], ["p0"], axis=-1),
+             N_("IsNaN", ["p0"], ["nan"]), N_("Where", ["nan", "zero", "p0"], ["p"]), N_("MatMul", ["p", "v"], ["y"])]
+    ins = [("q", [b, h, m, d], None), ("k", [b, h, n, d], None), ("v", [b, h, n, d], None)]
+    inits = [numpy_helper.from_array(tri, "tri"), numpy_helper.from_array(np.array(0, np.float32), "zero")]
+    return _model(nodes, ins, ["y"], inits)
+
+
+def _gqa(b, h, m, n, d):
+    """Llama: K and V have h/2 heads, repeated by Unsqueeze / Expand / Reshape (repeat_kv)."""
+    hk = h // 2
+    nodes = []
+    for t in "kv":
+        nodes += [N_("Unsqueeze", [t, "ax2"], [t + "u"]), N_("Expand", [t + "u", "rep"], [t + "e"]),
+                  N_("Reshape", [t + "e", "full"], [t + "r"])]
+    nodes += [N_("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]), N_("MatMul", ["q", "kt"], ["s0"]),
+              N_("Mul", ["s0", "sc"], ["s"]), N_("Softmax", ["s"], ["p"], axis=-1), N_("MatMul", ["p", "vr"], ["y"])]
+    ins = [("q", [b, h, m, d], None), ("k", [b, hk, n, d], None), ("v", [b, hk, n, d], None)]
+    inits = [numpy_helper.from_array(np.array([2], np.int64), "ax2"),
+             numpy_helper.from_array(np.array([b, hk, 2, n, d], np.int64), "rep"),
+             numpy_helper.from_array(np.array([b, h, n, d], np.int64), "full"),
+             numpy_helper.from_array(np.array(d ** -0.5, np.float32), "sc")]
+    return _model(nodes, ins, ["y"], inits)
+
+
+SPELLINGS = {"bert": _bert, "bert_scaled_heads": _bert_scaled_heads, "t5": _t5, "causal_where": _causal_where, "causal_add": _causal_add, "gqa": _gqa}
+
+
+def _feeds(model, seed=0, masked_keys=()):
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in model.graph.input:
+        shape = [dim.dim_value for dim in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = rng.standard_normal(shape).astype(np.float32)
+    if "mask" in feeds:
+        mask = np.zeros(feeds["mask"].shape, np.float32)
+        mask[..., list(masked_keys)] = -1e4
+        feeds["mask"] = mask
+    return feeds
+
+
+def _run(model, feeds, options=None):
+    f = ap.jit(model, target="cpu", options=options)
+    got = f(**feeds)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    return f, np.asarray(got), want
+
+
+def _fused(f):
+    return [k for k in f.plan.kernels if k.reason.startswith("fused attention")]
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+@pytest.mark.parametrize("m,n", [(7, 7), (129, 129), (1, 7)])
+def test_spelling_is_one_kernel_and_matches_onnxruntime(spelling, m, n):
+    b, h, d = 1, 4, 16
+    model = SPELLINGS[spelling](b, h, m, n, d)
+    f, got, want = _run(model, _feeds(model, masked_keys=range(0, n, 3)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    fused = _fused(f)
+    assert len(fused) == 1, str(f.plan)
+    # scores, softmax and P @ V are one step: no softmax kernel and no batched GEMM left
+    assert not any(k.fused is not None and any(nd.op == "exp" for nd in k.fused.nodes) for k in f.plan.kernels)
+    assert not any(k.gemm is not None and k not in fused for k in f.plan.kernels), str(f.plan)
+    if spelling.startswith("bert"):     # head transposes (and scales) read in place, result stored transposed
+        assert "stores its result transposed (0, 2, 1, 3)" in fused[0].reason
+        assert len(f.plan.kernels) == 1, str(f.plan)
+    if spelling == "bert_scaled_heads":
+        assert "scales Q by" in fused[0].reason and "K by" in fused[0].reason, fused[0].reason
+    assert "define" in fused[0].source("llvm")
+
+
+def test_long_rows_and_wide_heads():
+    """Several key blocks and query groups per head; dv not a multiple of the micro-tile."""
+    model = _t5(2, 3, 300, 257, 40)
+    f, got, want = _run(model, _feeds(model, seed=3))
+    assert len(_fused(f)) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fully_masked_rows_match_onnxruntime():
+    """A row whose every score is -inf: NaN from the plain softmax, 0 after dynamo's
+    where(p != p, 0, p) -- as onnxruntime gives."""
+    b, h, m, n, d = 1, 2, 5, 9, 8
+    model = _causal_where(b, h, m, n, d)
+    tril = np.zeros((1, 1, m, n), bool)
+    tril[..., 1:, :] = np.tril(np.ones((m - 1, n), bool), k=n - m)
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(tril, "tril"))
+    f, got, want = _run(model, _feeds(model))
+    assert len(_fused(f)) == 1
+    assert np.isnan(want[0, :, 0]).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+    model = _causal_add(b, h, m, n, d)
+    tri = np.full((1, 1, m, n), -np.inf, np.float32)
+    tri[..., 1:, :] = 0
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(tri, "tri"))
+    f, got, want = _run(model, _feeds(model))
+    assert len(_fused(f)) == 1 and "NaN rows -> 0" in _fused(f)[0].reason
+    assert (want[0, :, 0] == 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_unfused_option_keeps_the_three_steps():
+    model = _bert(1, 2, 17, 17, 8)
+    feeds = _feeds(model)
+    f, got, want = _run(model, feeds, ap.Options(attention="unfused"))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert not _fused(f)
+    assert sum(k.gemm is not None for k in f.plan.kernels) == 2, str(f.plan)
+    with pytest.raises(ap.errors.OptionsError):
+        ap.Options(attention="flash")
+
+
+def _falls_back(nodes_edit, outputs=("y",)):
+    b, h, m, n, d = 1, 2, 9, 9, 8
+    model = _t5(b, h, m, n, d)
+    nodes_edit(model.graph)
+    del model.graph.output[:]
+    model.graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs)
+    feeds = _feeds(model)
+    f = ap.jit(model, target="cpu")
+    got = f(**feeds)
+    got = got if isinstance(got, (list, tuple)) else [got]
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-5)
+    return f
+
+
+def test_fallback_when_the_probabilities_are_an_output():
+    f = _falls_back(lambda g: None, outputs=("y", "p"))
+    assert not _fused(f), str(f.plan)
+
+
+def test_fallback_when_softmax_is_not_over_the_last_axis():
+    def edit(g):
+        for node in g.node:
+            if node.op_type == "Softmax":
+                node.attribute[0].i = 2      # over the queries: not attention's softmax
+    f = _falls_back(edit)
+    assert not _fused(f), str(f.plan)
+
+
+def test_fallback_when_the_softmax_is_followed_by_other_ops():
+    def edit(g):
+        for node in g.node:
+            if node.op_type == "MatMul" and node.input[0] == "p":
+                node.input[0] = "p2"
+        g.node.append(N_("Sqrt", ["p"], ["p2"]))
+        # keep the node list in topological order: move the last matmul to the end
+        mm = [x for x in g.node if x.op_type == "MatMul" and x.input[0] == "p2"][0]
+        g.node.remove(mm)
+        g.node.append(mm)
+    f = _falls_back(edit)
+    assert not _fused(f), str(f.plan)
