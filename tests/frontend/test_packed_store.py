@@ -6,6 +6,7 @@ always match onnxruntime.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -128,9 +129,9 @@ def test_changed_blocking_is_not_read_and_is_repacked(tmp_path, stats, monkeypat
     chosen = gemm.blocking_for
     swap = {12: 8, 8: 12, 6: 4, 4: 6}       # the other micro-tile height of the same vector width
 
-    def other(m):
-        b = chosen(m)
-        return gemm.Blocking(b.vl, swap[b.mr], b.nr)
+    def other(m, n=0):
+        b = chosen(m, n)
+        return dataclasses.replace(b, mr=swap[b.mr])
     monkeypatch.setattr(gemm, "blocking_for", other)
     f = compile_and_check(path, cache)
     s = stats()
