@@ -17,11 +17,10 @@ def tune(model: Any, *, options: Options | None = None, input_shapes: Mapping[st
     """Tune ``model`` (an ONNX path / bytes / ModelProto, a Graph or a Program) at
     ``input_shapes`` (needed for symbolic dims; default the static shapes) on ``feeds`` (default
     random inputs of those shapes); returns a :class:`~apollo_py.tuning.tuner.TuneResult`."""
-    from ..api import load_program
     from ..errors import InputError
     from .tuner import graph_for, tune_graph
     options = options or Options()
-    program = load_program(model, input_shapes, options)
+    program = _program(model, options)
     shapes = {}
     for s in program.inputs:
         shape = (input_shapes or {}).get(s.name) or (feeds[s.name].shape if feeds and s.name in feeds else s.dims)
@@ -33,6 +32,19 @@ def tune(model: Any, *, options: Options | None = None, input_shapes: Mapping[st
     if not options.model_name:
         options = options.replace(model_name=getattr(program, "name", "") or "")
     return tune_graph(graph, options, feeds, budget=budget, repeat=repeat, progress=progress)
+
+
+def _program(model: Any, options: Options):
+    """A Program of ``model`` (what ``apollo_py.api.load_program`` gives, without importing the
+    api module, which imports this one for ``Options(tune="tune")``)."""
+    from ..frontend.program import GraphProgram, Program
+    from ..ir.graph import Graph
+    if isinstance(model, Program):
+        return model
+    if isinstance(model, Graph):
+        return GraphProgram(model)
+    from ..frontend.onnx import load_onnx
+    return load_onnx(model, options.cache_dir)
 
 
 def ensure_tuned(program, shapes: Mapping[str, tuple], options: Options) -> None:
