@@ -76,7 +76,8 @@ def store_key(cnodes: Sequence, cinputs: Sequence[str], coutputs: Sequence[str],
         "nodes": [[n.op, n.attrs.canonical(), list(n.inputs), list(n.outputs)] for n in cnodes],
         "inputs": list(cinputs), "outputs": list(coutputs),
         "types": sorted((v, str(t)) for v, t in ctypes.items()),
-        "options": [options.schedule_budget, options.schedule_timeout, list(options.tile_sizes or ())],
+        "options": [options.schedule_budget, options.schedule_timeout, list(options.tile_sizes or ()),
+                    options.target in ("cuda", "cuda-emu")],     # layer 1's pool kernel is CPU only
         "splits": list(relevant_splits([n.op for n in cnodes], options.rules_overlay)),
         "format": FORMAT, "source": _source_digest()})
     return piece_key(hashlib.sha256(text.encode()).hexdigest(), "layer1", {})

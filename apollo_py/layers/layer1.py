@@ -191,7 +191,9 @@ def _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget
             return _fuse(nodes, types, inputs, outputs, options, consts, mgs, base, out, budget=0)
         return _split(nodes, types, inputs, outputs, options, consts, mgs, base, out)
     from .pool_kernel import pool_kernel
-    pooled = pool_kernel(nodes, types, inputs, outputs, consts, kname)
+    # CPU only: a plane per iteration of the parallel loop, with a stack scratch of a plane
+    cpu = options.target not in ("cuda", "cuda-emu")
+    pooled = pool_kernel(nodes, types, inputs, outputs, consts, kname) if cpu else None
     if pooled is not None:      # pooling with its elementwise neighbours: a direct kernel, no isl
         loop, params = pooled
         flops, nbytes = _estimate(nodes, types, params)

@@ -86,3 +86,13 @@ def test_conv_transpose_matches_onnxruntime(case):
     assert len(gemms) == 1, str(f.plan)
     # the kernel == stride form multiplies no zeros: a 1x1 conv of the input itself
     assert (gemms[0].gemm.k == xs[1] // attrs.get("group", 1)) == unpool, gemms[0].reason
+
+
+def test_pool_kernel_is_cpu_only():
+    """The CUDA targets keep layer 1's loop nest (a plane-sized scratch per thread would not fit)."""
+    xs, op, pre, post, attrs = POOLS["stem_max"]
+    m = pool_model(xs, op, pre, post, **attrs)
+    x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(target="cuda-emu"))
+    np.testing.assert_allclose(f(x=x), ort_run(m, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert [k.fused.strategy for k in f.plan.kernels if k.fused is not None] == ["direct"]
