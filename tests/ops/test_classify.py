@@ -56,6 +56,10 @@ CASES = {
     "matmul": ("opaque", lambda b: b.matmul(x(b), x(b, (8, 2), name="w"))),
     "onnx_op": ("opaque", lambda b: b.op("onnx_op", x(b), node=_relu_node_hex(), opset=17, op_type="Relu",
                                          out_types=(((4, 8), "float32"),))[0]),
+    "recurrent": ("opaque", lambda b: b.op(
+        "recurrent", x(b, (3, 2, 4)), x(b, (1, 4, 4), name="r"), x(b, (1, 2, 4), name="h0"),
+        x(b, (2,), "int32", "lens"), x(b, (1, 1), name="aux"), cell="rnn", hidden=4, directions=("forward",),
+        acts=((("Tanh", 0.0, 0.0),),))[0]),
     "conv": ("opaque", lambda b: b.conv(x(b, (1, 2, 8, 8)), x(b, (3, 2, 3, 3), name="w"), strides=(1, 1),
                                         pads=(1, 1, 1, 1), dilations=(1, 1))),
 }

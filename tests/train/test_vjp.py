@@ -24,7 +24,9 @@ def _rand(rng, shape, lo=None):
 def test_every_primitive_has_a_rule_or_is_non_differentiable():
     from apollo_py.ops.registry import FALLBACK
     ops = {name for name, d in all_ops().items() if d.kind != FALLBACK}  # opaque external ops
-    missing = ops - differentiable_ops() - NON_DIFFERENTIABLE
+    # recurrent (LSTM/GRU/RNN) has several outputs and no rule yet: autodiff raises
+    # UnsupportedOpError naming the node (test_recurrent_has_no_gradient_yet)
+    missing = ops - differentiable_ops() - NON_DIFFERENTIABLE - {"recurrent"}
     assert not missing, f"primitives without a VJP rule: {sorted(missing)}"
 
 
@@ -222,3 +224,17 @@ def test_gather_and_scatter_add(shape, data, seed):
     upd = _rand(rng, shape[:ax] + ishape + shape[ax + 1:])
     check_vjp(lambda b, v, i, u: b.op("scatter_add", v, i, u, axis=ax)[0], [x, idx, upd],
               wrt=[0, 2], rng=rng)
+
+
+def test_recurrent_has_no_gradient_yet():
+    from apollo_py import UnsupportedOpError
+    from apollo_py.ir.builder import GraphBuilder
+    from apollo_py.train.autodiff import grad
+    b = GraphBuilder()
+    xp = b.input("xp", (3, 2, 4), "float32")
+    ins = [xp, b.input("r", (1, 4, 4), "float32"), b.input("h0", (1, 2, 4), "float32"),
+           b.input("lens", (2,), "int32"), b.input("aux", (1, 1), "float32")]
+    y, yh = b.op("recurrent", *ins, name="rnn", cell="rnn", hidden=4, directions=("forward",),
+                 acts=((("Tanh", 0.0, 0.0),),))
+    with pytest.raises(UnsupportedOpError, match="'rnn'"):
+        grad(b.build([b.reduce_sum(yh, axes=(0, 1, 2), keepdims=False)]), ["xp"])
