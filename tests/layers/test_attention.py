@@ -197,8 +197,9 @@ def _falls_back(nodes_edit, outputs=("y",)):
     return f
 
 
-def test_fallback_when_the_probabilities_are_an_output():
-    f = _falls_back(lambda g: None, outputs=("y", "p"))
+@pytest.mark.parametrize("extra", ["p", "s"])
+def test_fallback_when_scores_or_probabilities_are_an_output(extra):
+    f = _falls_back(lambda g: None, outputs=("y", extra))
     assert not _fused(f), str(f.plan)
 
 
@@ -223,3 +224,23 @@ def test_fallback_when_the_softmax_is_followed_by_other_ops():
         g.node.append(mm)
     f = _falls_back(edit)
     assert not _fused(f), str(f.plan)
+
+
+def test_t5_export_every_attention_fused():
+    """torch's T5 exports (tests/models/zoo): encoder self-attention with position bias,
+    causal decoder self-attention, cross-attention -- 6 attentions, all fused, including the
+    ones whose softmax layer 2 splits into two kernels in the torchscript export."""
+    import os
+    zoo = os.path.join(os.path.dirname(__file__), "..", "models", "zoo")
+    for exporter in ("torchscript", "dynamo"):
+        path = os.path.join(zoo, f"t5_tiny.{exporter}.onnx")
+        rng = np.random.default_rng(5)
+        feeds = {"input_ids": rng.integers(0, 128, (1, 16)), "decoder_input_ids": rng.integers(0, 127, (1, 8))}
+        f = ap.jit(path, target="cpu", input_shapes={k: v.shape for k, v in feeds.items()})
+        got = f(**feeds)
+        got = got if isinstance(got, (list, tuple)) else [got]
+        want = ort.InferenceSession(path).run(None, feeds)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()))
+        assert len(_fused(f)) == 6, str(f.plan)
+        assert not any(k.fused is not None and any(nd.op == "exp" for nd in k.fused.nodes) for k in f.plan.kernels)
