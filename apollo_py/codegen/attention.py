@@ -427,7 +427,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
           f"  call void @{names['pack_k']}(ptr %ak, i64 0, i64 {npk}) #2",
           f"  call void @{names['pack_v']}(ptr %av, i64 0, i64 {bn}) #2",
           "  br label %qcond",
-          "qcond:", "  %qi = phi i64 [0, %kbody], [%qi1, %qnext]",
+          "qcond:", "  %qi = phi i64 [0, %kbody], [%qi1, %qbody]",
           "  %qc = icmp slt i64 %qi, %nbl", "  br i1 %qc, label %qbody, label %qdone",
           "qbody:",
           f"  %qo = mul i64 %qi, {dk * mr}", "  %qpp = getelementptr float, ptr %qp, i64 %qo",
@@ -436,21 +436,16 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
         s += [f"  %kpp{p} = getelementptr float, ptr %kp, i64 {p * dk * nr}",
               f"  %sbq{p} = getelementptr float, ptr %sbp, i64 {p * nr}",
               f"  call void @attn.qk(ptr %qpp, ptr %kpp{p}, ptr %sbq{p}, i64 {dk}, i1 true)"]
-    s += ["  br label %qnext", "qnext:", "  %qi1 = add i64 %qi, 1", "  br label %qcond",
-          "qdone:",
-          # every row of the blocks, padding too: P of a padding row must be a number
-          "  call void @" + names["upd"] + "(ptr %au, i64 0, i64 %nbl) #2",
-          "  br label %vcond",
-          "vcond:", "  %vi = phi i64 [0, %qdone], [%vi1, %vbody]",
-          "  %vc = icmp slt i64 %vi, %nbl", "  br i1 %vc, label %vbody, label %knext",
-          "vbody:",
-          f"  %po = mul i64 %vi, {mr * bn}", "  %pbp = getelementptr float, ptr %pb, i64 %po",
-          f"  %oo = mul i64 %vi, {mr * dp}", "  %obp = getelementptr float, ptr %ob, i64 %oo"]
+    # per query block: its scores, softmax step and P V back to back (its S and P stay in L1)
+    s += ["  %qi1 = add i64 %qi, 1",
+          "  call void @" + names["upd"] + "(ptr %au, i64 %qi, i64 %qi1) #2",
+          f"  %po = mul i64 %qi, {mr * bn}", "  %pbp = getelementptr float, ptr %pb, i64 %po",
+          f"  %oo = mul i64 %qi, {mr * dp}", "  %obp = getelementptr float, ptr %ob, i64 %oo"]
     for p in range(npv):
         s += [f"  %vpp{p} = getelementptr float, ptr %vp, i64 {p * bn * nr}",
               f"  %obq{p} = getelementptr float, ptr %obp, i64 {p * nr}",
               f"  call void @attn.pv(ptr %pbp, ptr %vpp{p}, ptr %obq{p}, i64 {bn}, i1 false)"]
-    s += ["  %vi1 = add i64 %vi, 1", "  br label %vcond",
+    s += ["  br label %qcond", "qdone:", "  br label %knext",
           "knext:", "  %kb1 = add i64 %kb, 1", "  br label %kcond",
           "kdone:",
           f"  call void @{names['fin']}(ptr %af, i64 0, i64 %rows) #2",
