@@ -4,7 +4,7 @@
 
 Each row is one attention as the zoo's full-size models run it (BERT-base / DistilBERT at 128
 tokens, ViT-B/16 at 197, T5-small's encoder at 128 and decoder at 64, GPT-2 at 128 with a
-causal mask, the Whisper-tiny encoder at 1500 frames) in the exporters' spelling: heads
+causal mask, the Whisper-tiny encoder at 1500 frames, Swin-T's first stage: 64 windows of 49 tokens) in the exporters' spelling: heads
 ``[B, S, H, d]`` transposed by ``Transpose`` nodes, scores scaled and masked (T5: a position
 bias, no scale; GPT-2: ``where(causal, s, -inf)``), ``Softmax``, ``P @ V``, the context
 transposed back.  The same ONNX model is run by
@@ -38,6 +38,7 @@ SHAPES = [
     ("t5-dec", 1, 8, 64, 64, 64, "bias"),
     ("gpt2", 1, 12, 128, 128, 64, "causal"),
     ("whisper", 1, 6, 1500, 1500, 64, "scale"),
+    ("swin", 64, 3, 49, 49, 32, "bias"),      # Swin-T stage 1: 64 windows of 7 x 7, bias [1, H, 49, 49]
 ]
 
 

@@ -6,7 +6,8 @@ the exporter wrote:
 
 1. a generated batched GEMM ``s = Q @ K^T`` whose epilogue may hold part of the score
    transform (a scale, a mask add);
-2. one stitched kernel (layer 2): optional elementwise prefix on ``s`` (``* scale``,
+2. one stitched kernel (layer 2; or up to ``MAX_SOFTMAX_STEPS`` kernels where layer 2 split
+   the softmax, as in T5's exports): optional elementwise prefix on ``s`` (``* scale``,
    ``/ sqrt(d)``, ``+ mask``, ``+ position bias``, ``where(mask, s, -inf)``), then the softmax
    over the last axis ``reduce_max -> sub -> exp -> reduce_sum -> div``, optionally followed
    by dynamo's ``where(p != p, 0, p)``;
