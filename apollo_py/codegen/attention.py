@@ -267,24 +267,32 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     stmts.append(L.Store(sb, r * bn + j, L.Select(L.lt(j, _info(6)), x, ninf)))
     nb = bn // vl
     at = (c * vl + ln)
+    # without a score transform the scores need no pass of their own: keys past the end are
+    # masked where the max and exp phases read them
+    plain = not d.nodes and d.x == d.head
+
+    def score(idx):
+        v = L.Load(sb, r * bn + idx)
+        return L.Select(L.lt(idx, _info(6)), v, ninf) if plain else v
     mx_acc, sm_acc = L.Alloc("mxl", f32, vl), L.Alloc("sml", f32, vl)
     mold, mnew, ms = L.Var("mold", f32), L.Var("mnew", f32), L.Var("ms", f32)
     max_row = L.block(
         mx_acc, L.for_("l", 0, vl, L.Store(mx_acc, ln, ninf), "unroll"),
-        L.for_("c", 0, nb, L.for_("l", 0, vl, L.Store(mx_acc, ln, _fmax(mx_acc[ln], L.Load(sb, r * bn + at))),
+        L.for_("c", 0, nb, L.for_("l", 0, vl, L.Store(mx_acc, ln, _fmax(mx_acc[ln], score(at))),
                                   "vector")),
         L.Local("mold", f32, L.Load(ml, r)),
         L.Local("mnew", f32, _fmax(mold, _tree([mx_acc[L.Const(q)] for q in range(vl)], _fmax))),
         # a row whose scores are all -inf so far: exp(x - 0) keeps P = 0 and alpha finite
         L.Local("ms", f32, L.Select(L.eq(mnew, ninf), zero, mnew)),
         L.Store(ml, r, mnew), L.Store(ml, r + 2 * gr, ms),
-        L.Store(ml, r + 3 * gr, L.call("exp", mold - ms)))
+        L.Store(ml, r + 3 * gr, L.Un("exp", mold - ms, upper=0.0)))
     ms_r = L.Load(ml, r + 2 * gr)
     exp_row = L.block(
         sm_acc, L.for_("l", 0, vl, L.Store(sm_acc, ln, zero), "unroll"),
         L.Local("msr", f32, ms_r),
         L.for_("c", 0, nb, L.for_("l", 0, vl, L.block(
-            L.Local("e", f32, L.call("exp", L.Load(sb, r * bn + at) - L.Var("msr", f32))),
+            # x - m' <= 0 (m' is the running max): exp without its upper clamp
+            L.Local("e", f32, L.Un("exp", score(at) - L.Var("msr", f32), upper=0.0)),
             L.Store(pb, r * bn + at, L.Var("e", f32)),
             L.Store(sm_acc, ln, sm_acc[ln] + L.Var("e", f32))), "vector")),
         L.Store(ml, r + gr, L.Load(ml, r + gr) * L.Load(ml, r + 3 * gr)
@@ -292,7 +300,7 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     scale = L.for_("c", 0, lay.dp, L.Store(ob, r * lay.dp + c, L.Load(ob, r * lay.dp + c) * L.Load(ml, r + 3 * gr)),
                    "vector")
     body = L.block(
-        L.for_("rr", 0, mr, L.for_("j", 0, bn, L.block(*stmts), "vector")),
+        *([] if plain else [L.for_("rr", 0, mr, L.for_("j", 0, bn, L.block(*stmts), "vector"))]),
         L.for_("rr", 0, mr, max_row),
         L.for_("rr", 0, mr, exp_row),
         L.for_("rr", 0, mr, scale))
@@ -419,7 +427,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
           f"  call void @{names['pack_k']}(ptr %ak, i64 0, i64 {npk}) #2",
           f"  call void @{names['pack_v']}(ptr %av, i64 0, i64 {bn}) #2",
           "  br label %qcond",
-          "qcond:", "  %qi = phi i64 [0, %kbody], [%qi1, %qnext]",
+          "qcond:", "  %qi = phi i64 [0, %kbody], [%qi1, %qbody]",
           "  %qc = icmp slt i64 %qi, %nbl", "  br i1 %qc, label %qbody, label %qdone",
           "qbody:",
           f"  %qo = mul i64 %qi, {dk * mr}", "  %qpp = getelementptr float, ptr %qp, i64 %qo",
@@ -428,21 +436,16 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
         s += [f"  %kpp{p} = getelementptr float, ptr %kp, i64 {p * dk * nr}",
               f"  %sbq{p} = getelementptr float, ptr %sbp, i64 {p * nr}",
               f"  call void @attn.qk(ptr %qpp, ptr %kpp{p}, ptr %sbq{p}, i64 {dk}, i1 true)"]
-    s += ["  br label %qnext", "qnext:", "  %qi1 = add i64 %qi, 1", "  br label %qcond",
-          "qdone:",
-          # every row of the blocks, padding too: P of a padding row must be a number
-          "  call void @" + names["upd"] + "(ptr %au, i64 0, i64 %nbl) #2",
-          "  br label %vcond",
-          "vcond:", "  %vi = phi i64 [0, %qdone], [%vi1, %vbody]",
-          "  %vc = icmp slt i64 %vi, %nbl", "  br i1 %vc, label %vbody, label %knext",
-          "vbody:",
-          f"  %po = mul i64 %vi, {mr * bn}", "  %pbp = getelementptr float, ptr %pb, i64 %po",
-          f"  %oo = mul i64 %vi, {mr * dp}", "  %obp = getelementptr float, ptr %ob, i64 %oo"]
+    # per query block: its scores, softmax step and P V back to back (its S and P stay in L1)
+    s += ["  %qi1 = add i64 %qi, 1",
+          "  call void @" + names["upd"] + "(ptr %au, i64 %qi, i64 %qi1) #2",
+          f"  %po = mul i64 %qi, {mr * bn}", "  %pbp = getelementptr float, ptr %pb, i64 %po",
+          f"  %oo = mul i64 %qi, {mr * dp}", "  %obp = getelementptr float, ptr %ob, i64 %oo"]
     for p in range(npv):
         s += [f"  %vpp{p} = getelementptr float, ptr %vp, i64 {p * bn * nr}",
               f"  %obq{p} = getelementptr float, ptr %obp, i64 {p * nr}",
               f"  call void @attn.pv(ptr %pbp, ptr %vpp{p}, ptr %obq{p}, i64 {bn}, i1 false)"]
-    s += ["  %vi1 = add i64 %vi, 1", "  br label %vcond",
+    s += ["  br label %qcond", "qdone:", "  br label %knext",
           "knext:", "  %kb1 = add i64 %kb, 1", "  br label %kcond",
           "kdone:",
           f"  call void @{names['fin']}(ptr %af, i64 0, i64 %rows) #2",

@@ -6,7 +6,8 @@ the exporter wrote:
 
 1. a generated batched GEMM ``s = Q @ K^T`` whose epilogue may hold part of the score
    transform (a scale, a mask add);
-2. one stitched kernel (layer 2): optional elementwise prefix on ``s`` (``* scale``,
+2. one stitched kernel (layer 2; or up to ``MAX_SOFTMAX_STEPS`` kernels where layer 2 split
+   the softmax, as in T5's exports): optional elementwise prefix on ``s`` (``* scale``,
    ``/ sqrt(d)``, ``+ mask``, ``+ position bias``, ``where(mask, s, -inf)``), then the softmax
    over the last axis ``reduce_max -> sub -> exp -> reduce_sum -> div``, optionally followed
    by dynamo's ``where(p != p, 0, p)``;
@@ -33,11 +34,38 @@ def _nodes(spec) -> list:
     return list(spec.fused.nodes) if spec.fused is not None else list(spec.nodes)
 
 
-def _softmax_parts(spec, s: str, s_shape: tuple, graph: Graph):
-    """``(prefix nodes, x, nan_to_zero, result)`` when kernel step ``spec`` computes
-    ``softmax(prefix(s), axis=-1)`` (``x`` = the softmax input), or a string saying why not."""
+def _softmax_steps(s: str, specs: list, readers: dict, graph: Graph):
+    """The kernel steps (indices, in order) that compute from the scores ``s`` up to the value
+    a GEMM reads: one stitched kernel, or -- where layer 2 split the softmax -- up to
+    ``MAX_SOFTMAX_STEPS`` consecutive kernels whose values are read only among themselves and
+    by that GEMM.  None when another kind of step reads them."""
+    js, frontier = set(), [s]
+    while frontier:
+        v = frontier.pop()
+        for q in readers.get(v, ()):
+            if q in js:
+                continue
+            if specs[q].fused is None:
+                if specs[q].gemm is None:
+                    return None
+                continue            # the P @ V GEMM (checked by the caller)
+            js.add(q)
+            if len(js) > MAX_SOFTMAX_STEPS:
+                return None
+            frontier.extend(specs[q].outputs)
+    return sorted(js) or None
+
+
+#: layer 2 may split a softmax into this many kernels (T5's torchscript export: two)
+MAX_SOFTMAX_STEPS = 3
+
+
+def _softmax_parts(nodes: list, s: str, s_shape: tuple, graph: Graph):
+    """``(prefix nodes, x, nan_to_zero, result)`` when ``nodes`` (the softmax kernels' nodes,
+    in order) compute ``softmax(prefix(s), axis=-1)`` (``x`` = the softmax input), or a string
+    saying why not."""
     types = graph.types
-    nodes = [n for n in _nodes(spec) if n.op != "constant"]
+    nodes = [n for n in nodes if n.op != "constant"]
     rank = len(s_shape)
     last = (rank - 1,)
     rmax = [k for k, n in enumerate(nodes) if n.op == "reduce_max"]
@@ -99,7 +127,8 @@ def _source_size(view, batches: int, rows: int, cols: int) -> int:
 
 
 def match(i: int, specs: list, readers: dict, graph: Graph):
-    """``(j, k, desc, nodes)`` when GEMM step ``i`` starts an attention triple (i, j, k), else a
+    """``(js, k, desc, nodes)`` when GEMM step ``i`` starts an attention (softmax kernel steps
+    ``js``, ``p @ V`` step ``k``), else a
     string saying why not (None when step ``i`` is not a candidate at all)."""
     from ..codegen.attention import AttentionDesc
     from ..codegen.gemm import EpiOperand, GemmDesc
@@ -111,22 +140,21 @@ def match(i: int, specs: list, readers: dict, graph: Graph):
     if len(outs) != 1 or outs[0] in graph.outputs or types[outs[0]].dtype != "float32":
         return None
     s_val = outs[0]
-    rj = readers.get(s_val, set())
-    if len(rj) != 1:
-        return None
-    j = next(iter(rj))
-    sj = specs[j]
-    if sj.fused is None or len(sj.outputs) != 1 or sj.outputs[0] in graph.outputs:
+    js = _softmax_steps(s_val, specs, readers, graph)
+    if js is None or not readers.get(s_val, set()) <= set(js):
         return None
     s_shape = tuple(g1.out_shape)
     if len(s_shape) < 2 or g1.row_dims != len(s_shape) - 1:
         return "scores not [.., M, N]"
-    parts = _softmax_parts(sj, s_val, s_shape, graph)
+    soft_nodes = [n for j in js for n in _nodes(specs[j])]
+    parts = _softmax_parts(soft_nodes, s_val, s_shape, graph)
     if isinstance(parts, str):
         return parts
     prefix, x, nan_to_zero, p_val = parts
-    if sj.outputs[0] != p_val:
-        return "the softmax kernel stores other values"
+    leaving = {v for j in js for v in specs[j].outputs
+               if v in graph.outputs or any(q not in js for q in readers.get(v, ()))}
+    if leaving != {p_val} or p_val in graph.outputs:
+        return "the softmax kernels store other values (or the probabilities are an output)"
     rk = readers.get(p_val, set())
     if len(rk) != 1:
         return "the probabilities are read twice"
@@ -171,8 +199,8 @@ def match(i: int, specs: list, readers: dict, graph: Graph):
         q_view=g1.a_view, k_view=g1.b_view, v_view=g2.b_view, out_perm=g2.out_perm, nan_to_zero=nan_to_zero)
     if any(types[v].dtype != "float32" for v in (q_val, k_val, g2.b_value)):
         return "Q, K or V is not float32"
-    all_nodes = (*specs[i].nodes, *_nodes(sj), *specs[k].nodes)
-    return j, k, desc, all_nodes
+    all_nodes = (*specs[i].nodes, *soft_nodes, *specs[k].nodes)
+    return js, k, desc, all_nodes
 
 
 def fold_attention(specs: list, graph: Graph, options) -> list:
@@ -194,8 +222,8 @@ def fold_attention(specs: list, graph: Graph, options) -> list:
         m = match(i, specs, readers, graph)
         if m is None or isinstance(m, str):
             continue
-        j, k, d, nodes = m
-        if j in gone or k in gone or not i < j < k:
+        js, k, d, nodes = m
+        if k in gone or any(j in gone or not i < j < k for j in js):
             continue
         ins = tuple(dict.fromkeys([d.q_value, d.k_value, d.v_value, *(o.value for o in d.operands)]))
         spelling = " ".join(n.op for n in d.nodes) or "no score transform"
@@ -203,11 +231,11 @@ def fold_attention(specs: list, graph: Graph, options) -> list:
                f"head dims {d.dk}/{d.dv}; score transform: {spelling}"
                + ("; NaN rows -> 0" if d.nan_to_zero else "")
                + (f"; stores its result transposed {tuple(d.out_perm)}" if d.out_perm is not None else ""))
-        mgs = tuple(sorted(set(specs[i].micro_graphs) | set(specs[j].micro_graphs) | set(specs[k].micro_graphs)))
+        mgs = tuple(sorted(set(specs[i].micro_graphs).union(specs[k].micro_graphs, *(specs[j].micro_graphs for j in js))))
         specs[k] = StepSpec(ins, (d.output,), nodes=nodes, reason=why, micro_graphs=mgs, gemm=d)
         for v in ins:
             readers.setdefault(v, set()).add(k)
-        gone |= {i, j}
+        gone |= {i, *js}
     return fold_attention_prologues([s for q, s in enumerate(specs) if q not in gone], graph)
 
 

@@ -197,8 +197,9 @@ def _falls_back(nodes_edit, outputs=("y",)):
     return f
 
 
-def test_fallback_when_the_probabilities_are_an_output():
-    f = _falls_back(lambda g: None, outputs=("y", "p"))
+@pytest.mark.parametrize("extra", ["p", "s"])
+def test_fallback_when_scores_or_probabilities_are_an_output(extra):
+    f = _falls_back(lambda g: None, outputs=("y", extra))
     assert not _fused(f), str(f.plan)
 
 
@@ -223,3 +224,52 @@ def test_fallback_when_the_softmax_is_followed_by_other_ops():
         g.node.append(mm)
     f = _falls_back(edit)
     assert not _fused(f), str(f.plan)
+
+
+def test_t5_export_every_attention_fused():
+    """torch's T5 exports (tests/models/zoo): encoder self-attention with position bias,
+    causal decoder self-attention, cross-attention -- 6 attentions, all fused, including the
+    ones whose softmax layer 2 splits into two kernels in the torchscript export."""
+    import os
+    zoo = os.path.join(os.path.dirname(__file__), "..", "models", "zoo")
+    for exporter in ("torchscript", "dynamo"):
+        path = os.path.join(zoo, f"t5_tiny.{exporter}.onnx")
+        rng = np.random.default_rng(5)
+        feeds = {"input_ids": rng.integers(0, 128, (1, 16)), "decoder_input_ids": rng.integers(0, 127, (1, 8))}
+        f = ap.jit(path, target="cpu", input_shapes={k: v.shape for k, v in feeds.items()})
+        got = f(**feeds)
+        got = got if isinstance(got, (list, tuple)) else [got]
+        want = ort.InferenceSession(path).run(None, feeds)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()))
+        assert len(_fused(f)) == 6, str(f.plan)
+        assert not any(k.fused is not None and any(nd.op == "exp" for nd in k.fused.nodes) for k in f.plan.kernels)
+
+
+def _desc(h, m, n, d, **kw):
+    from apollo_py.codegen.attention import AttentionDesc
+    return AttentionDesc(name="t", batch=h, m=m, n=n, dk=d, dv=d, q_index=tuple(range(h)), k_index=tuple(range(h)),
+                         v_index=tuple(range(h)), q_value="q", k_value="k", v_value="v", q_size=h * m * d,
+                         k_size=h * n * d, v_size=h * n * d, head="s", x="s", s_shape=(1, h, m, n), s_row_dims=3,
+                         out_shape=(1, h, m, d), out_row_dims=3, output="o", **kw)
+
+
+@pytest.mark.parametrize("blocking", ["host", "avx2"])
+@pytest.mark.parametrize("kw", [{}, {"bn": 32, "qblocks": 1}, {"bn": 128, "qblocks": 3}])
+def test_kernel_block_sizes_and_avx2_blocking(monkeypatch, blocking, kw):
+    """The tuner's knobs (keys per block, query blocks per tile) and the AVX2 micro-tile (6 x 16,
+    8 lanes) give the same numbers as numpy."""
+    from apollo_py.codegen import gemm
+    from apollo_py.codegen.attention import compile_attention, reference
+    from apollo_py.runtime.threadpool import ThreadPool
+    if blocking == "avx2":
+        monkeypatch.setattr(gemm, "host_blocking", lambda: gemm.Blocking(8, 6, 16))
+    h, m, n, d = 3, 37, 70, 24
+    ca = compile_attention(_desc(h, m, n, d, **kw), 2)
+    assert ca.layout.vl == (8 if blocking == "avx2" else ca.layout.vl)
+    rng = np.random.default_rng(7)
+    q, kt, v = (rng.standard_normal(s).astype(np.float32) for s in ((h, m, d), (h, d, n), (h, n, d)))
+    out = np.empty((1, h, m, d), np.float32)
+    with ThreadPool(2) as pool:
+        pool.run(ca.main, [q, kt, v, out])
+    np.testing.assert_allclose(out[0], reference(q.astype(np.float64), kt, v), rtol=1e-4, atol=1e-5)
