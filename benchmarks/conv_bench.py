@@ -5,10 +5,11 @@
 
 Shapes: single convs (dense 3x3 / 1x1 / 7x7 stem, strided, depthwise 3x3 / 5x5 / 7x7, grouped,
 the squeeze-excitation 1x1 conv of a 1x1 image), each with BatchNormalization and an activation
-after it, as ONNX models built here; squeeze-excitation block tails (``SE_BLOCKS``).  Models: a ResNet-18-like network built here (Conv +
-BatchNormalization + Relu, basic blocks, max pool, global average pool, Gemm; 1x3x224x224) and
-ResNet-50, MobileNetV3-large and EfficientNet-B0 from the zoo directory (benchmarks/zoo/export.py;
-default ``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apollo_py_zoo``) when present.
+after it, as ONNX models built here; squeeze-excitation block tails (``SE_BLOCKS``).  Models: a
+ResNet-18-like network built here (Conv + BatchNormalization + Relu, basic blocks, max pool,
+global average pool, Gemm; 1x3x224x224) and ResNet-50, MobileNetV3-large and EfficientNet-B0
+from the zoo directory (benchmarks/zoo/export.py; default ``$APOLLO_PY_ZOO_DIR`` or
+``~/.cache/apollo_py_zoo``) when present.
 
 Each row: apollo_py (``Options(num_threads=N)``) and onnxruntime (all graph optimisations,
 ``intra_op_num_threads=N``, no spinning -- benchmarks/run.py's session) in one process,
