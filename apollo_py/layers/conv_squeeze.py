@@ -82,6 +82,7 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
     consts = {n.outputs[0]: n for n in graph.nodes if n.op == "constant"}
     if not _tail_ok(tail, r, graph, consts):
         return None
+    # the reduced value is stored (the squeeze re-reads it) even when nothing later reads it
     spec, rest, _ = gemm_spec(head, [*epilogue, *chain], graph, later | {r.inputs[0]}, options, group)
     if spec is None or rest or not isinstance(spec.gemm, DirectConvDesc) or is_matvec(spec.gemm.conv):
         return None
@@ -104,7 +105,6 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
                  out_shapes=tuple(tuple(types[v].shape) for v in stored),
                  node_dtypes=tuple(types[n.outputs[0]].dtype for n in tail), inline_consts=inline)
     d = replace(d, squeeze=sq)
-    # the reduced value is stored for the squeeze even when nothing later reads it
     why = (f"{spec.reason}; squeeze {'+'.join(['reduce_sum', *(n.op for n in tail)])} over H*W fused "
            "(each output plane summed after it is written)")
     return replace(spec, outputs=(*spec.outputs, *stored), nodes=(*spec.nodes, r, *tail), reason=why,
