@@ -5,12 +5,13 @@
 
 Shapes: single convs (dense 3x3 / 1x1 / 7x7 stem, strided, depthwise 3x3 / 5x5 / 7x7, grouped,
 the squeeze-excitation 1x1 conv of a 1x1 image), each with BatchNormalization and an activation
-after it, as ONNX models built here; then the other conv-model steps (``EXTRA``: ResNet's stem
-max pool with its bias + ReLU, an average pool, U-Net's 2x2 / stride 2 ConvTranspose, Whisper's
-two Conv1d).  Models: a ResNet-18-like network built here (Conv +
-BatchNormalization + Relu, basic blocks, max pool, global average pool, Gemm; 1x3x224x224) and
-ResNet-50, MobileNetV3-large, EfficientNet-B0, RegNetY-1.6GF, U-Net and Whisper-tiny's encoder from the zoo directory (benchmarks/zoo/export.py;
-default ``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apollo_py_zoo``) when present.
+after it, as ONNX models built here; squeeze-excitation block tails (``SE_BLOCKS``); then the
+other conv-model steps (``EXTRA``: ResNet's stem max pool with its bias + ReLU, an average pool,
+U-Net's 2x2 / stride 2 ConvTranspose, Whisper's two Conv1d).  Models: a ResNet-18-like network
+built here (Conv + BatchNormalization + Relu, basic blocks, max pool, global average pool, Gemm;
+1x3x224x224) and ResNet-50, MobileNetV3-large, EfficientNet-B0, RegNetY-1.6GF, U-Net and
+Whisper-tiny's encoder from the zoo directory (benchmarks/zoo/export.py; default
+``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apollo_py_zoo``) when present.
 
 Each row: apollo_py (``Options(num_threads=N)``) and onnxruntime (all graph optimisations,
 ``intra_op_num_threads=N``, no spinning -- benchmarks/run.py's session) in one process,
@@ -47,6 +48,15 @@ SHAPES = {
     "dw7_96_56": ((1, 96, 56, 56), (96, 1, 7, 7), (1, 1), (3, 3, 3, 3), 96, None),
     "grouped24_3x3_48_56": ((1, 48, 56, 56), (48, 24, 3, 3), (1, 1), (1, 1, 1, 1), 2, "Relu"),
     "se_960to240": ((1, 960, 1, 1), (240, 960, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
+}
+
+# squeeze-excitation tails of mobile blocks (tests/conv/models.py se_block_model): depthwise conv +
+# activation + SE (pool, FC1, FC2, gate, excitation) -- name -> se_block_model keyword arguments
+SE_BLOCKS = {
+    "se_effnet_dw5_240_28": dict(x_shape=(1, 240, 28, 28), k=5, mean="SumDiv"),
+    "se_effnet_dw3_480_14": dict(x_shape=(1, 480, 14, 14), k=3, mean="SumDiv"),
+    "se_mnv3_dw5_120_28": dict(x_shape=(1, 120, 28, 28), k=5, act="Relu", gate="HardSigmoid"),
+    "se_mnv3_dw5_s2_672_14": dict(x_shape=(1, 672, 14, 14), k=5, stride=2, act="HardSwish", gate="HardSigmoid"),
 }
 
 # name -> (builder in tests/conv/models.py, input shape, arguments): the non-GEMM conv-model steps
@@ -197,11 +207,17 @@ def main(argv=None) -> int:
             if want(name):
                 x = rng.standard_normal(spec[0]).astype(np.float32)
                 rows.append(bench(name, _shape_model(spec), {"x": x}, args.threads, args.rounds, cache))
+        sys.path.insert(0, str(HERE.parent / "tests" / "conv"))
+        from models import se_block_model
+        for name, kw in SE_BLOCKS.items():
+            if want(name):
+                x = rng.standard_normal(kw["x_shape"]).astype(np.float32)
+                rows.append(bench(name, se_block_model(**kw), {"x": x}, args.threads, args.rounds, cache))
         for name, spec in EXTRA.items():
             if want(name):
                 x = rng.standard_normal(spec[1]).astype(np.float32)
                 rows.append(bench(name, _extra_model(spec), {"x": x}, args.threads, args.rounds, cache))
-        _print(rows, f"single convs + BatchNorm + activation, batch 1, {args.threads} threads, "
+        _print(rows, f"single convs + BatchNorm + activation, SE blocks, other conv steps, batch 1, {args.threads} threads, "
                      f"median of {args.rounds} interleaved rounds")
         out["shapes"] = rows
     if not args.shapes_only:

@@ -37,6 +37,10 @@ from apollo_py.errors import CompileError
 
 MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
 SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (else border loops)
+#: output rows at least this wide keep the row form: LLVM vectorises them at 8-16 lanes, and in
+#: MobileNetV3-large's per-step profile (load ~20) the flat form took 1.1x at 112 and 56 wide
+#: rows and 3.9x at 64 channels 112x112 stride 2 (phase-split copy), against 0.45-0.9x at 28-7
+FLAT_MAX_OW = 32
 MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
 
 
@@ -298,7 +302,8 @@ def padded_plane(g: ConvGeom) -> tuple[int, int]:
 
 def flat_form(d: DirectConvDesc) -> bool:
     """Whether the padded kernel runs its tap sum as one vector loop over the flattened padded
-    plane (equal strides -- above 1 split into phase sub-planes, :func:`_phase_split`;
+    plane (output rows narrower than :data:`FLAT_MAX_OW`; equal strides -- above 1 split into
+    phase sub-planes, :func:`_phase_split`;
     epilogue operands constant along H, W; float epilogue values).
 
     A row loop of OW iterations is vectorised by LLVM at the widest factor dividing into it:
@@ -311,7 +316,7 @@ def flat_form(d: DirectConvDesc) -> bool:
     g = d.conv
     s = g.strides[0]
     plane = s * s * prod(phase_plane(g)) if s > 1 else prod(padded_plane(g))
-    if s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
+    if g.ow >= FLAT_MAX_OW or s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
         return False
     if any(any(s != 1 for s in o.shape[-2:]) for o in d.operands if len(o.shape) >= 2):
         return False

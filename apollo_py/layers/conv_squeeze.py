@@ -82,6 +82,7 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
     consts = {n.outputs[0]: n for n in graph.nodes if n.op == "constant"}
     if not _tail_ok(tail, r, graph, consts):
         return None
+    # the reduced value is stored (the squeeze re-reads it) even when nothing later reads it
     spec, rest, _ = gemm_spec(head, [*epilogue, *chain], graph, later | {r.inputs[0]}, options, group)
     if spec is None or rest or not isinstance(spec.gemm, DirectConvDesc) or is_matvec(spec.gemm.conv):
         return None
@@ -104,7 +105,6 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
                  out_shapes=tuple(tuple(types[v].shape) for v in stored),
                  node_dtypes=tuple(types[n.outputs[0]].dtype for n in tail), inline_consts=inline)
     d = replace(d, squeeze=sq)
-    # the reduced value is stored for the squeeze even when nothing later reads it
     why = (f"{spec.reason}; squeeze {'+'.join(['reduce_sum', *(n.op for n in tail)])} over H*W fused "
            "(each output plane summed after it is written)")
     return replace(spec, outputs=(*spec.outputs, *stored), nodes=(*spec.nodes, r, *tail), reason=why,
@@ -132,7 +132,8 @@ def fuse_excite(head: Node, epilogue: list, nxt: list, graph: Graph, later: set,
     if a in {head.outputs[0], *(n.outputs[0] for n in epilogue)}:      # a SiLU's own mul, not an excitation
         return None
     gt, at, ot = types[gate], types[a], types[m.outputs[0]]
-    if len(at.shape) != 4 or prod(at.shape[2:]) <= 1 or tuple(gt.shape) != (at.shape[0], at.shape[1], 1, 1) or tuple(ot.shape) != tuple(at.shape):
+    if (len(at.shape) != 4 or prod(at.shape[2:]) <= 1 or tuple(gt.shape) != (at.shape[0], at.shape[1], 1, 1)
+            or tuple(ot.shape) != tuple(at.shape)):
         return None
     if {gt.dtype, at.dtype, ot.dtype} != {"float32"}:
         return None
@@ -142,7 +143,8 @@ def fuse_excite(head: Node, epilogue: list, nxt: list, graph: Graph, later: set,
     d = spec.gemm
     if d.squeeze is not None or d.cout != at.shape[1] or d.conv.n != at.shape[0]:
         return None
-    ops = d.operands if any(o.value == a for o in d.operands) else (*d.operands, EpiOperand(a, at.dtype, tuple(at.shape)))
+    ops = d.operands if any(o.value == a for o in d.operands) else \
+        (*d.operands, EpiOperand(a, at.dtype, tuple(at.shape)))
     d = replace(d, operands=tuple(ops), excite=Excite(gate, a, m.outputs[0], tuple(at.shape)))
     ins = tuple(dict.fromkeys([*spec.inputs, a]))
     why = f"{spec.reason}; excitation mul fused (each channel's plane scaled after its dot product)"

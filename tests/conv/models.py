@@ -122,7 +122,8 @@ def se_block_model(x_shape, k=3, stride=1, act="SiLU", gate="Sigmoid", mean="Red
 
     def activation(src, dst, kind):
         if kind == "SiLU":
-            return [helper.make_node("Sigmoid", [src], [dst + "_sg"]), helper.make_node("Mul", [src, dst + "_sg"], [dst])]
+            return [helper.make_node("Sigmoid", [src], [dst + "_sg"]),
+                    helper.make_node("Mul", [src, dst + "_sg"], [dst])]
         return [helper.make_node(kind, [src], [dst])]
 
     nodes += activation("d", "a", act)
