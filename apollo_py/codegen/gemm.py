@@ -54,6 +54,7 @@ from apollo_py.errors import CompileError
 B_BLOCK_BYTES = 512 * 1024
 KC_MAX = 256          # k per block: an NR-column B micro-panel (KC x NR floats, 32 KiB) stays in L1
 MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in L2
+DIRECT_MR8_K = 768  # see blocking_for
 SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
 
 
@@ -99,18 +100,27 @@ def host_blocking() -> Blocking:
     return Blocking(8, 6, 16)
 
 
-def blocking_for(m: int, n: int = 0) -> Blocking:
+def blocking_for(m: int, n: int = 0, k_direct: int = 0) -> Blocking:
     """The host blocking, with ``mr`` 8 instead of 12 (AVX-512) or 4 instead of 6 (AVX2) when
     that pads the ``m`` rows by 5% less (conv with 64 output channels: 72 -> 64 rows), and one
     vector of columns (``nr = vl``) when ``n`` fits in one: DLRM's 64 products of 9x9x64 padded
-    to 32 columns did 3.5x the useful FMAs (nr 16: 0.84x the time)."""
+    to 32 columns did 3.5x the useful FMAs (nr 16: 0.84x the time).  ``k_direct``: K of an A
+    the micro-kernel reads in place; from ``DIRECT_MR8_K`` on, AVX-512 uses ``mr`` 8 (fewer
+    A rows in L1 beside the streaming B panel: 0.80-0.96x the time at K 768-3072, rows 4 KiB
+    apart the most; 1.02x at K 64 and 384)."""
     bl = host_blocking()
     alt = Blocking(bl.vl, 8 if bl.vl == 16 else 4, bl.nr)
 
     def waste(mr):
         return (-(-m // mr) * mr) / m - 1
-    bl = alt if waste(bl.mr) - waste(alt.mr) > 0.05 else bl
+    if waste(bl.mr) - waste(alt.mr) > 0.05 or (bl.vl == 16 and k_direct >= DIRECT_MR8_K):
+        bl = alt
     return replace(bl, nr=bl.vl) if 0 < n <= bl.vl else bl
+
+
+def default_blocking(d: "GemmDesc") -> Blocking:
+    """:func:`blocking_for` the sizes of ``d`` (K counts when A will be read in place)."""
+    return blocking_for(d.m, d.n, d.k if d.a_view is None and not d.a_const else 0)
 
 
 @dataclass(frozen=True)
@@ -559,7 +569,7 @@ def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
 
 def render_gemm(d: GemmDesc, threads: int = 2) -> str:
     """Unoptimised LLVM IR of ``d``: the main kernel and micro-kernel, then the loop-IR parts."""
-    bl = blocking_for(d.m, d.n)
+    bl = default_blocking(d)
     main, texts, _ = _render(d, bl, layout(d, bl, threads))
     return "\n".join([main, *texts])
 
@@ -577,7 +587,7 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
     named, d = d, canonical(d)
-    bl = bl or blocking_for(d.m, d.n)
+    bl = bl or default_blocking(d)
     lay = layout(d, bl, threads)
     pack_a = _pack_a_kernel(d, bl, lay.pan_per_group)
     pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)

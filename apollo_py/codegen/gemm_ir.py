@@ -2,15 +2,14 @@
 kernel's tile loops, written as text because their register blocking is the point (24 named
 accumulators, constant displacements) and loop IR would leave it to the vectoriser.
 
-No runtime import of gemm.py: it imports this module.
+No import of gemm.py: it imports this module.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from apollo_py.codegen.gemm import Blocking, GemmDesc, GemmLayout
+# Blocking, GemmDesc, GemmLayout in the annotations are codegen/gemm.py's: not imported, not even
+# under TYPE_CHECKING (tests/test_layering.py counts that as a module-level import cycle)
 
 
 def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int = 0, c_rs: int = 0) -> str:

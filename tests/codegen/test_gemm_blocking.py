@@ -64,6 +64,8 @@ def test_paths_match_numpy(pool, xs, ys, bl_kw, epilogue):
 def test_blocking_rules():
     bl = blocking_for(100, 1000)
     assert blocking_for(9, 9).nr == bl.vl and blocking_for(9, bl.vl + 1).nr == bl.nr
+    if bl.vl == 16:     # AVX-512: an A read in place with a long K gets 8-row panels
+        assert blocking_for(120, 1000, 3072).mr == 8 and blocking_for(120, 1000, 64).mr == 12
     # column blocks as even as the B block allows: 768 columns at KC 256 are 2 x 384 (AVX-512)
     blocks = -(-768 // bl.nc(256, 768))
     assert bl.nc(256, 768) * blocks - 768 < bl.nr * blocks
