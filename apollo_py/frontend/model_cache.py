@@ -348,7 +348,8 @@ class _Saver(pickle.Pickler):
         for rlo, rhi, off in self.ranges:
             if rlo <= lo and hi <= rhi:
                 unread = id(a) in self.unread_ids
-                if not unread and (off + (start - rlo)) % a.dtype.alignment:
+                if (not unread and (off + (start - rlo)) % a.dtype.alignment
+                        and self.side.tell() + a.nbytes + 64 <= MAX_SIDE_BYTES):
                     # misaligned in the file: an aligned copy in the side file, mapped, instead
                     # of a copy made by every warm compile (BERT's word embeddings: 94 MB)
                     return None
