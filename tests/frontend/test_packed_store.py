@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 import subprocess
 import sys
 import textwrap
@@ -142,9 +143,8 @@ def test_changed_blocking_is_not_read_and_is_repacked(tmp_path, stats, monkeypat
     chosen = gemm.blocking_for
     swap = {12: 8, 8: 12, 6: 4, 4: 6}       # the other micro-tile height of the same vector width
 
-    def other(m):
-        b = chosen(m)
-        return gemm.Blocking(b.vl, swap[b.mr], b.nr)
+    def other(*args, **kw):
+        return replace(chosen(*args, **kw), mr=swap[chosen(*args, **kw).mr])
     monkeypatch.setattr(gemm, "blocking_for", other)
     f = compile_and_check(path, cache)
     s = stats()
