@@ -229,6 +229,8 @@ def worker(mode: str, path: str, cache_dir: str, threads: int, rounds: int, dump
            "import_s": t0 - t_import}
     faulthandler.cancel_dump_traceback_later()
     if mode == "cold":
+        # where the cold compile's time went, per pass (the stages the progress line shows)
+        res["progress"] = {name: round(t, 2) for name, t in getattr(getattr(f, "plan", None), "timings", ()) or ()}
         res["fuse_calls"] = len(fuse_log)
         res["fuse_s"] = sum(ms for ms, _ in fuse_log) / 1e3  # nested (split) calls count twice
         res["slowest_fuse"] = [f"{ms:.0f} ms: {d}" for ms, d in sorted(fuse_log, reverse=True)[:3]]
@@ -353,7 +355,7 @@ def table(rows: list) -> str:
             where = c.get("stack", [""])[0].replace('File "', "").split("apollo_py/")[-1].replace('", line', ":")
             out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | | | | | {where} |")
             continue
-        passes = ", ".join(f"{k} {v}" for k, v in (c.get("progress") or {}).items())
+        passes = ", ".join(f"{k} {v:.2f}" for k, v in (c.get("progress") or {}).items() if v >= 0.05)
         if "error" in w:
             out.append(f"| {r['model']} | {c['compile_s']:.1f} | **{w['error'][:80]}** | | | | | | | | | | | | "
                        f"| {passes} |")
