@@ -526,7 +526,6 @@ def compile_attention(d: AttentionDesc, threads: int, cache_dir: str | None = No
     """Generate, optimise (O3) and JIT ``d`` through the piecewise cache; raises CompileError
     when LLVM rejects the text (a bug) or a score-transform op has no scalar lowering."""
     from .cached import compile_module
-    from .llvm import host
     if min(d.m, d.n, d.dk, d.dv, d.batch) <= 0:
         raise CompileError(f"{d.name}: fused attention needs positive sizes, got batch {d.batch}, "
                            f"{d.m} queries, {d.n} keys, head dims {d.dk}/{d.dv}")
@@ -534,16 +533,9 @@ def compile_attention(d: AttentionDesc, threads: int, cache_dir: str | None = No
     lay = attn_layout(d, threads)
 
     def build():
-        llvm = host().llvm
+        from apollo_py.codegen.gemm import link_ir
         main, texts, _ = _render(d, lay)
-        try:
-            mod = llvm.parse_assembly(main)
-            for t in texts:
-                mod.link_in(llvm.parse_assembly(t))
-            mod.verify()
-        except RuntimeError as exc:
-            raise CompileError(f"{d.name}: invalid generated LLVM IR: {exc}") from exc
-        return mod
+        return link_ir(d.name, main, texts)
     engine, ir = compile_module(repr((d, lay, _source_digest())), build, cache_dir, d.name)
     parts = _parts(d, lay)
     upd, fin = parts[3], parts[4]

@@ -574,6 +574,22 @@ def render_gemm(d: GemmDesc, threads: int = 2) -> str:
     return "\n".join([main, *texts])
 
 
+def link_ir(name: str, main: str, texts) -> object:
+    """One verified LLVM module from the main kernel's IR text and its callees' (pack, epilogue
+    and micro-kernels), for :func:`apollo_py.codegen.cached.compile_module`; ``CompileError``
+    names ``name`` when the generated IR does not parse or verify."""
+    from .llvm import host
+    llvm = host().llvm
+    try:
+        mod = llvm.parse_assembly(main)
+        for t in texts:
+            mod.link_in(llvm.parse_assembly(t))
+        mod.verify()
+    except RuntimeError as exc:
+        raise CompileError(f"{name}: invalid generated LLVM IR: {exc}") from exc
+    return mod
+
+
 def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
                  cache_dir: str | None = None) -> CompiledGemm:
     """Generate, optimise (O3) and JIT the kernels of ``d``; ``threads`` shapes the tile
@@ -582,7 +598,6 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
     loaded as object code without running LLVM.  Raises CompileError when LLVM rejects the
     generated text (a bug) or an epilogue op has no scalar lowering."""
     from .cached import compile_module
-    from .llvm import host
     if d.m <= 0 or d.n <= 0 or d.k <= 0 or d.batch <= 0:
         raise CompileError(f"{d.name}: generated GEMM needs positive sizes, got batch {d.batch}, "
                            f"{d.m}x{d.n}x{d.k}")
@@ -594,16 +609,8 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
     epi = _epilogue_kernel(d, bl)
 
     def build():
-        llvm = host().llvm
         main, texts, _ = _render(d, bl, lay)
-        try:
-            mod = llvm.parse_assembly(main)
-            for t in texts:
-                mod.link_in(llvm.parse_assembly(t))
-            mod.verify()
-        except RuntimeError as exc:
-            raise CompileError(f"{d.name}: invalid generated LLVM IR: {exc}") from exc
-        return mod
+        return link_ir(d.name, main, texts)
     # keyed by what the text is rendered from (descriptor, blocking, layout; the host and this
     # module's source are in the key too), so a cache hit renders nothing
     engine, ir = compile_module(repr((d, bl, lay)), build, cache_dir, d.name)
