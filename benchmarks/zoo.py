@@ -300,7 +300,7 @@ def _run_worker(mode, path, cache_dir, args) -> dict:
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     res["wall_s"] = wall
     prog = [x for x in proc.stderr.splitlines() if x.startswith(("apollo_py: compiling", "apollo_py: compiled"))]
-    if prog:
+    if prog and not res.get("progress"):    # the child's plan.timings are exact; lines are the fallback
         res["progress"] = _stage_times(prog)
     return res
 
