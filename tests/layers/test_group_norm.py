@@ -9,37 +9,22 @@ follow a GroupNorm in a UNet block (SiLU, a residual add), and what must stay ap
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-import apollo_py as ap
 from apollo_py.ir.graph import Graph, Node
 from apollo_py.ir.types import TensorType
 from apollo_py.partition.preprocess import refine_reshapes
 
-ort = pytest.importorskip("onnxruntime")
-RTOL, ATOL = 1e-4, 1e-5
-MACHINE = ap.Machine(bandwidth=100e9, peak=500e9, launch=1e-9)
-
-
-def _run(model: onnx.ModelProto, tmp_path, feeds: dict):
-    """(kernels, launches, numpy steps that are not reshapes, plan), outputs checked against
-    onnxruntime."""
-    data = model.SerializeToString()
-    f = ap.jit(data, options=ap.Options(target="cpu", cache_dir=str(tmp_path), machine=MACHINE))
-    got = f(**feeds)
-    got = got if isinstance(got, (list, tuple)) else [got]
-    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=RTOL, atol=ATOL)
-    plan = f.plan
-    kernels = [k for k in plan.kernels if k.fused is not None]
-    copies = [k for k in plan.kernels if k.fused is None and not all(n.op == "reshape" for n in k.nodes)]
-    return len(kernels), len(plan.launches), len(copies), plan
+pytest.importorskip("onnxruntime")
+sys.path.insert(0, str(Path(__file__).parent))
+from layer_counts import compile_and_count as _run  # noqa: E402
 
 
 def _model(nodes, shape, inits, opset=18, extra_inputs=()):

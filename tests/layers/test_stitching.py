@@ -10,6 +10,7 @@ kernels, mean -> sqrt over a y or all form 2, a four-branch concat 4 kernels + a
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +19,11 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 
-import apollo_py as ap
+pytest.importorskip("onnxruntime")
+sys.path.insert(0, str(Path(__file__).parent))
+from layer_counts import compile_and_count  # noqa: E402
 
-ort = pytest.importorskip("onnxruntime")
 HERE = Path(__file__).resolve().parent / "stitch_models"
-RTOL, ATOL = 1e-4, 1e-5
-#: figures pinned so that layer 3's choices do not depend on the machine the tests run on
-MACHINE = ap.Machine(bandwidth=100e9, peak=500e9, launch=1e-9)
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict:
@@ -43,19 +42,8 @@ def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict:
 
 def _counts(model: onnx.ModelProto, tmp_path, feeds=None):
     """(kernels, launches, numpy steps other than reshape views, plan) after checking the
-    outputs against onnxruntime."""
-    data = model.SerializeToString()
-    feeds = feeds or _feeds(model)
-    f = ap.jit(data, options=ap.Options(target="cpu", cache_dir=str(tmp_path), machine=MACHINE))
-    got = f(**feeds)
-    got = got if isinstance(got, (list, tuple)) else [got]
-    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=RTOL, atol=ATOL)
-    plan = f.plan
-    kernels = [k for k in plan.kernels if k.fused is not None]
-    copies = [k for k in plan.kernels if k.fused is None and not all(n.op == "reshape" for n in k.nodes)]
-    return len(kernels), len(plan.launches), len(copies), plan
+    outputs against onnxruntime; random inputs unless ``feeds`` are given."""
+    return compile_and_count(model, tmp_path, feeds or _feeds(model))
 
 
 # file stem -> (kernels, launches); the same for both exporters
