@@ -39,6 +39,7 @@ import numpy as np
 
 from apollo_py.codegen import loopir as L
 from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.gemm_ir import index_table
 from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
 
@@ -367,11 +368,6 @@ def _micro_ir(fn: str, lay: AttnLayout, ska: int, sra: int, ldc: int) -> str:
     return "\n".join(s)
 
 
-def _table(name: str, values) -> str:
-    vals = ", ".join(f"i64 {int(v)}" for v in values)
-    return f"@{name} = private unnamed_addr constant [{len(values)} x i64] [{vals}]"
-
-
 def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
     """The tile loop; ``names`` maps pack_q / pack_k / pack_v / upd / fin to kernel names."""
     mr, nr, bn, dk, dp = lay.mr, lay.nr, lay.bn, d.dk, lay.dp
@@ -456,7 +452,8 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
     s += ["  ret void", "}"]
     head = [f"; fused attention {d.name}: batch {d.batch}, {d.m} queries x {d.n} keys, dk {dk}, dv {d.dv}, "
             f"micro-tile {mr}x{nr}, {lay.qb} query blocks per tile, {bn} keys per block",
-            _table("attn.qtab", d.q_index), _table("attn.ktab", d.k_index), _table("attn.vtab", d.v_index),
+            index_table("attn.qtab", d.q_index), index_table("attn.ktab", d.k_index),
+            index_table("attn.vtab", d.v_index),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{lay.vl} x float> @llvm.fma.v{lay.vl}f32(<{lay.vl} x float>, <{lay.vl} x float>, "

@@ -67,7 +67,9 @@ def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int =
     return "\n".join(lines)
 
 
-def _table(name: str, values) -> str:
+def index_table(name: str, values) -> str:
+    """A private LLVM global ``@name``: the i64 constant array ``values`` (the batch index
+    tables of a batched GEMM or fused attention)."""
     vals = ", ".join(f"i64 {int(v)}" for v in values)
     return f"@{name} = private unnamed_addr constant [{len(values)} x i64] [{vals}]"
 
@@ -196,7 +198,7 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
           "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
     head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {kcb}, NC {lay.nc}",
-            _table("gemm.atab", a_tab), _table("gemm.btab", b_tab),
+            index_table("gemm.atab", a_tab), index_table("gemm.btab", b_tab),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
