@@ -260,7 +260,7 @@ class ModelFileProgram(Program):
             if self._real is None:
                 from .onnx import load_onnx
                 STATS["parses"] += 1
-                self._real = load_onnx(self.model_file.path, self.cache_dir)
+                self._real = load_onnx(self.model_file.path, self.cache_dir, self.model_file.mm or None)
             return self._real
 
     def __getattr__(self, attr):
@@ -293,7 +293,7 @@ def model_program(path, cache_dir: str | None):
     except (OSError, ValueError, KeyError, TypeError):
         from .onnx import load_onnx
         STATS["parses"] += 1
-        real = load_onnx(mf.path, cache_dir)
+        real = load_onnx(mf.path, cache_dir, mf.mm or None)
         prog = ModelFileProgram(mf, cache_dir, real.name, tuple(real.inputs), tuple(real.outputs), real)
         doc = {"name": real.name, "outputs": list(real.outputs),
                "inputs": [{"name": s.name, "dims": list(s.dims), "dtype": s.dtype} for s in real.inputs]}

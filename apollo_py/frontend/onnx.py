@@ -88,22 +88,33 @@ def _checked_marker(cache_dir: str | None, path: str | None) -> str | None:
     return os.path.join(cache_dir, "checked", hashlib.sha256(ident.encode()).hexdigest() + ".json")
 
 
-def load_onnx(model: Any, cache_dir: str | None = None) -> "OnnxProgram":
+def load_onnx(model: Any, cache_dir: str | None = None, mapping=None) -> "OnnxProgram":
     """Load an ONNX model given as a path (str / os.PathLike), bytes, or ``onnx.ModelProto``.
 
     Returns an :class:`OnnxProgram`.  Raises ModelLoadError for unreadable, malformed or
     truncated models and for external data that would be read from outside the model's folder.
     With ``cache_dir``, a model file that passed the ONNX checker before, unchanged, is not
-    checked again (0.5-0.8 s of a 500 MB export's load).
+    checked again (0.5-0.8 s of a 500 MB export's load).  A file is read once, through a
+    mapping (``mapping``: the caller's ``mmap`` of it), its weights left in place
+    (:mod:`.onnx_file`; the plain read below where that does not apply).
     """
-    proto, base_dir = read_model_proto(model, "cannot load a model")
-    path = os.fspath(model) if base_dir is not None else None
-    if not proto.HasField("graph"):
-        raise ModelLoadError("the ONNX model has no graph (malformed or truncated model)")
-    proto, mapped = _map_external_data(proto, base_dir)
+    fast = None
+    if isinstance(model, (str, os.PathLike)):
+        from .onnx_file import read_stripped
+        fast = read_stripped(os.fspath(model), mapping)
+    if fast is not None:
+        proto, check_bytes, mapped = fast
+        path = os.fspath(model)
+    else:
+        proto, base_dir = read_model_proto(model, "cannot load a model")
+        path = os.fspath(model) if base_dir is not None else None
+        if not proto.HasField("graph"):
+            raise ModelLoadError("the ONNX model has no graph (malformed or truncated model)")
+        proto, mapped = _map_external_data(proto, base_dir)
+        check_bytes = None
     marker = _checked_marker(cache_dir, path)
     if marker is None or not os.path.exists(marker):    # else this very file passed before
-        _check(proto, path, model)
+        _check(proto, path, model, check_bytes)
         if marker is not None:
             try:
                 import json
@@ -116,15 +127,17 @@ def load_onnx(model: Any, cache_dir: str | None = None) -> "OnnxProgram":
     return _program_from(proto, mapped)
 
 
-def _check(proto, path, model) -> None:
-    """The ONNX checker on the model; ModelLoadError unless what it finds is tolerated."""
+def _check(proto, path, model, check_bytes: bytes | None = None) -> None:
+    """The ONNX checker on the model (``check_bytes``: the weight-free form :mod:`.onnx_file`
+    made of it); ModelLoadError unless what it finds is tolerated."""
     import onnx
     try:
         # the checker reads serialised bytes: give it the file (with mapped external data it
         # must see the path anyway) or the caller's bytes rather than serialising the proto
         # again (1.3 s of the 3.2 s a 500 MB GPT-2 export took to load)
-        raw = model if isinstance(model, bytes) else None
-        onnx.checker.check_model(path if path is not None else raw if raw is not None else proto)
+        raw = model if isinstance(model, bytes) else check_bytes
+        onnx.checker.check_model(raw if check_bytes is not None else path if path is not None
+                                 else raw if raw is not None else proto)
     except Exception as e:  # checker raises ValidationError and, for odd protos, others
         text = str(e).strip()
         # unknown op types are reported per node (UnsupportedOpError) once the nodes are read;
