@@ -28,7 +28,8 @@ file (not copied to an aligned array): it is never read.
 ``(graph, micro_graphs, specs)`` whose arrays are persistent ids; ``<key>.arrays``: the side file.
 A pickle is as trusted as the object code the piecewise cache loads and runs from the same
 directory.  An entry that fails its checksum or does not load is deleted and is a miss; the
-directory keeps the :data:`MAX_ENTRIES` most recently used entries.
+directory keeps the :data:`MAX_ENTRIES` most recently used entries, at most :data:`MAX_BYTES` of
+entry files.
 
 **Programs.**  For a model path :func:`model_program` returns a :class:`ModelFileProgram`: its
 ``name``, ``inputs`` and ``outputs`` come from a small header entry keyed by the file identity,
@@ -54,6 +55,10 @@ from .program import Program
 FORMAT = 1
 #: model entries kept per cache directory (least recently used deleted first)
 MAX_ENTRIES = 32
+#: bytes of entry files kept per cache directory (packed GEMM weights: ~0.4 GB per BERT-size model)
+MAX_BYTES = 4 << 30
+#: age (s) after which a file that belongs to no entry is deleted by eviction
+ORPHAN_AGE_S = 600
 #: arrays below this size are pickled inline
 INLINE_BYTES = 1024
 #: folded constants above this total are not stored (such a model compiles without the cache)
@@ -482,11 +487,11 @@ def save_executable(program, shapes: Mapping[str, tuple], options, exe) -> bool:
     side = saver.side.getvalue()
     if side and not _write(base + ".arrays", side):
         return False
-    # the packed operands before the entry: an entry whose unread weights have no packed file
-    # still works (load packs them from aligned copies) but pays that on every warm compile
-    packed_store.store(exe, base + ".packed")
     if not _write(base + ".pkl", hashlib.sha256(payload).digest() + payload):
         return False
+    # the packed operands after the entry (no packed file outlives a failed entry write); a
+    # process that finds the entry before the packed file packs and stores them itself
+    packed_store.store(exe, base + ".packed")
     STATS["saves"] += 1
     _evict(_dir(options.cache_dir))
     return True
@@ -515,14 +520,48 @@ def _with_object_keys(specs, steps) -> tuple:
     return tuple(out)
 
 
-def _evict(directory: str) -> None:
+def _evict(directory: str, keep: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
+    """Keep the ``keep`` most recently used entries (by their ``.pkl``'s modification time) and
+    at most ``max_bytes`` of entry files (``.pkl``, ``.arrays``, ``.packed``: a BERT entry's packed
+    weights are 415 MB next to its 0.5 MB ``.pkl``; the newest entry stays whatever its size).
+    Files of no entry -- a side or packed file whose ``.pkl`` is gone, a temporary file of a
+    writer that died -- go once :data:`ORPHAN_AGE_S` old (younger ones may be another process's
+    entry being written)."""
+    import time
     try:
-        entries = sorted((e.stat().st_mtime, e.path[:-4]) for e in os.scandir(directory) if e.name.endswith(".pkl"))
+        files = [(e.name, e.path, e.stat()) for e in os.scandir(directory) if e.is_file()]
     except OSError:
         return
-    for _, base in entries[:max(0, len(entries) - MAX_ENTRIES)]:
-        for ext in _EXTS:
-            try:
-                os.unlink(base + ext)
-            except OSError:
-                pass
+    now = time.time()
+    by_base: dict[str, list] = {}
+    for name, path, st in files:
+        base, ext = os.path.splitext(path)
+        if ext in _EXTS and not name.startswith(".tmp-"):
+            by_base.setdefault(base, []).append((ext, st))
+        elif name.startswith(".tmp-") and now - st.st_mtime > ORPHAN_AGE_S:
+            _unlink(path)
+    entries = []
+    for base, parts in by_base.items():
+        pkl = [st for ext, st in parts if ext == ".pkl"]
+        if pkl:
+            entries.append((pkl[0].st_mtime, base, sum(st.st_size for _, st in parts)))
+        elif all(now - st.st_mtime > ORPHAN_AGE_S for _, st in parts):
+            _remove_entry(base)
+    entries.sort(reverse=True)          # most recently used first
+    total = 0
+    for i, (_, base, size) in enumerate(entries):
+        total += size
+        if i and (i >= keep or total > max_bytes):
+            _remove_entry(base)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _remove_entry(base: str) -> None:
+    for ext in _EXTS:
+        _unlink(base + ext)

@@ -39,7 +39,8 @@ PAGE = 4096
 #: what this process did: buffers mapped from a file, operands packed for storing, files written
 STATS = {"mapped": 0, "packed": 0, "written": 0}
 
-_WRITERS: list[threading.Thread] = []
+_WRITERS: list[threading.Thread] = []     # writer threads (where fork is missing)
+_CHILDREN: list[int] = []                   # writer processes not reaped yet
 
 
 def const_operands(exe):
@@ -121,8 +122,11 @@ def load(exe, path: str) -> int:
 
 def store(exe, path: str, background: bool = True) -> bool:
     """Pack every constant GEMM operand of ``exe`` not packed yet (now, in this thread: the first
-    call would pack them anyway) and write the buffers to ``path`` (atomically; in a background thread when
-    ``background``, which a process joins at exit).  False when there is nothing to store."""
+    call would pack them anyway) and write the buffers to ``path`` atomically.  With
+    ``background`` the write runs in a forked child that this process does not wait for -- not
+    at exit either (writing GPT-2's 0.5 GB held a short-lived cold process up to half a second
+    after its work was done); where fork is missing, in a thread that the interpreter joins at
+    exit.  False when there is nothing to store."""
     recs, bufs, off = [], [], 0
     for i, s, op, src in const_operands(exe):
         packed = _pack(s, op, src)      # the buffer adopted or packed before, if there is one
@@ -134,37 +138,77 @@ def store(exe, path: str, background: bool = True) -> bool:
     header = json.dumps(recs).encode()
     head = MAGIC + struct.pack("<Q", len(header)) + header
     head += b"\0" * (-len(head) % PAGE)
-
-    def write():
+    if not background:
+        STATS["written"] += _write(path, head, bufs)
+        return True
+    _reap_children(block=False)
+    if hasattr(os, "fork"):
         try:
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+            pid = os.fork()
         except OSError:
-            return
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(head)
-                at = 0
-                for o, b in bufs:
-                    f.write(b"\0" * (o - at))
-                    f.write(memoryview(np.ascontiguousarray(b)).cast("B"))
-                    at = o + b.nbytes
-            os.replace(tmp, path)
-            STATS["written"] += 1
-        except OSError:     # a cache dir that cannot be written only costs the warm path
+            pid = -1
+        if pid == 0:            # the child: write, then leave without running any exit hooks
+            code = 1
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    if background:
-        t = threading.Thread(target=write, name="apollo_py-packed-store")   # joined at exit
-        _WRITERS.append(t)
-        t.start()
-    else:
-        write()
+                # hold none of the parent's pipes open (a caller reading its output to the end
+                # would wait for this child) nor any other of its files
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(null, fd)
+                os.closerange(3, 1 << 16)
+                code = 0 if _write(path, head, bufs) else 1
+            finally:
+                os._exit(code)
+        if pid > 0:
+            _CHILDREN.append(pid)
+            STATS["written"] += 1       # counted here: the child's counters are its own
+            return True
+    def write():
+        STATS["written"] += _write(path, head, bufs)
+    t = threading.Thread(target=write, name="apollo_py-packed-store")
+    _WRITERS.append(t)                  # joined at exit
+    t.start()
     return True
 
 
+def _write(path: str, head: bytes, bufs) -> bool:
+    """Write the file (a temporary file in the same folder, renamed over ``path``)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(head)
+            at = 0
+            for o, b in bufs:
+                f.write(b"\0" * (o - at))
+                f.write(memoryview(np.ascontiguousarray(b)).cast("B"))
+                at = o + b.nbytes
+        os.replace(tmp, path)
+        return True
+    except OSError:     # a cache dir that cannot be written only costs the warm path
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
+def _reap_children(block: bool) -> None:
+    """Collect the exit status of finished writer children (all of them when ``block``)."""
+    for pid in list(_CHILDREN):
+        try:
+            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 0
+        if done:
+            _CHILDREN.remove(pid)
+            STATS["written"] -= status != 0         # counted when it started
+
+
 def wait() -> None:
-    """Wait for this process's background writes (tests; interpreter exit joins them anyway)."""
+    """Wait for this process's background writes (tests; a process never waits for them)."""
     while _WRITERS:
         _WRITERS.pop().join()
+    _reap_children(block=True)

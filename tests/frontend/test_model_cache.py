@@ -20,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import apollo_py as ap
+from frontend_testlib import rel_err
 from apollo_py.frontend import model_cache as mc
 
 ZOO = Path(__file__).resolve().parents[1] / "models" / "zoo"
@@ -46,16 +47,6 @@ def ort_run(path, feeds):
     ort = pytest.importorskip("onnxruntime")
     s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return s.run(None, feeds)
-
-
-def rel_err(got, want) -> float:
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
-@pytest.fixture
-def stats():
-    before = dict(mc.STATS)
-    yield lambda: {k: mc.STATS[k] - before[k] for k in before}
 
 
 def test_scan_finds_every_raw_initializer(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import apollo_py as ap
+from frontend_testlib import rel_err
 from apollo_py.codegen import gemm
 from apollo_py.frontend import model_cache as mc
 from apollo_py.frontend import packed_store
@@ -62,16 +63,6 @@ X = np.random.default_rng(2).standard_normal((1, 8, 12, 12)).astype(np.float32)
 def ort_y(path):
     ort = pytest.importorskip("onnxruntime")
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
-
-
-def rel_err(got, want) -> float:
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
-@pytest.fixture
-def stats():
-    before = dict(packed_store.STATS)
-    yield lambda: {k: packed_store.STATS[k] - before[k] for k in before}
 
 
 def compile_and_check(path, cache):
@@ -174,3 +165,80 @@ def test_changed_weights_are_not_read(tmp_path, stats):
     assert s["mapped"] == 0 and s["packed"] == 2 and s["written"] == 3, s
     compile_and_check(b, cache)
     assert stats()["mapped"] == 2
+
+
+def test_no_packed_file_outlives_a_failed_entry_write(tmp_path, monkeypatch, stats):
+    path = gemm_model(tmp_path / "m.onnx")
+    cache = tmp_path / "cache"
+    write = mc._write
+    monkeypatch.setattr(mc, "_write", lambda p, data: False if p.endswith(".pkl") else write(p, data))
+    compile_and_check(path, cache)
+    assert stats()["saves"] == 0 and stats()["written"] == 0
+    assert not list((cache / "models").glob("*.packed")) and not list((cache / "models").glob("*.pkl"))
+
+
+def test_eviction_counts_every_file_of_an_entry_and_drops_orphans(tmp_path):
+    import os
+    import time
+    d = tmp_path / "models"
+    d.mkdir()
+    now = time.time()
+
+    def put(name, size, age):
+        p = d / name
+        p.write_bytes(b"\0" * size)
+        os.utime(p, (now - age, now - age))
+    for i, age in enumerate((30, 20, 10)):              # e2 most recently used
+        put(f"e{i}.pkl", 100, age)
+        put(f"e{i}.packed", 1000, age)
+    put("old.packed", 10, mc.ORPHAN_AGE_S + 5)          # its .pkl is gone: an orphan
+    put("young.arrays", 10, 1)                          # maybe another process's entry being written
+    put(".tmp-dead", 10, mc.ORPHAN_AGE_S + 5)
+    put(".tmp-live", 10, 1)
+    put("abc.json", 10, mc.ORPHAN_AGE_S + 5)            # a header, not an entry file
+    mc._evict(str(d), keep=32, max_bytes=2300)          # room for two entries' packed files, not three
+    assert sorted(p.name for p in d.iterdir()) == [".tmp-live", "abc.json", "e1.packed", "e1.pkl",
+                                                    "e2.packed", "e2.pkl", "young.arrays"]
+    mc._evict(str(d), keep=1, max_bytes=1 << 30)
+    assert sorted(p.name for p in d.iterdir()) == [".tmp-live", "abc.json", "e2.packed", "e2.pkl", "young.arrays"]
+    mc._evict(str(d), keep=32, max_bytes=1)             # the newest entry stays whatever its size
+    assert {"e2.packed", "e2.pkl"} <= {p.name for p in d.iterdir()}
+
+
+EXIT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    path, cache = sys.argv[1:3]
+    import apollo_py as ap
+    from apollo_py.frontend import packed_store
+    write = packed_store._write
+    def slow(*a):               # a slow disk: the packed file takes 3 s to write
+        time.sleep(3)
+        return write(*a)
+    packed_store._write = slow
+    f = ap.jit(path, options=ap.Options(cache_dir=cache, num_threads=2, gemm="generated"))
+    f(x=np.zeros((1, 8, 12, 12), np.float32))
+    print(time.perf_counter(), flush=True)
+""")
+
+
+def test_a_process_does_not_wait_for_the_packed_write_at_exit(tmp_path):
+    import os
+    import time
+    if not hasattr(os, "fork"):
+        pytest.skip("the packed file is written by a forked child")
+    path = gemm_model(tmp_path / "m.onnx")
+    cache = tmp_path / "cache"
+    (tmp_path / "exit.py").write_text(EXIT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "exit.py"), str(path), str(cache)],
+                          capture_output=True, text=True, timeout=120)
+    ended = time.perf_counter()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # (perf_counter is CLOCK_MONOTONIC: comparable across processes on Linux)
+    assert ended - float(proc.stdout.split()[-1]) < 2.5, "the process waited for the packed write"
+    for _ in range(200):        # the child finishes the write after its parent is gone
+        if list((cache / "models").glob("*.packed")):
+            break
+        time.sleep(0.1)
+    (packed,) = (cache / "models").glob("*.packed")
+    assert packed.read_bytes()[:16] == packed_store.MAGIC
