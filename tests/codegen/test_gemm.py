@@ -137,3 +137,28 @@ def test_render_and_bad_sizes():
     d0 = matmul_desc("z", (10, 0), (0, 30), (10, 30), "h", outputs=("h",), out_dtypes=("float32",))
     with pytest.raises(CompileError):
         compile_gemm(d0, 2)
+
+
+def test_hit_signatures_match_the_kernels():
+    """A piece-cache hit binds the pack and epilogue kernels by ``_signatures`` (parameters, no
+    loops): they must be the very names, parameters and parallel extents of the kernels a miss
+    renders, for a matmul with epilogue operands, a batched one and a conv."""
+    from dataclasses import replace
+
+    from apollo_py.codegen import gemm as G
+    ops = (EpiOperand("col", "float32", (40,)), EpiOperand("res", "float32", (3, 20, 40)))
+    nodes = (Node("add", ("h", "col"), ("a",)), Node("max", ("a", "res"), ("z",)))
+    descs = [matmul_desc("g", (3, 20, 30), (3, 30, 40), (3, 20, 40), "h", nodes=nodes, operands=ops,
+                         outputs=("z", "h"), out_dtypes=("float32", "float32"), node_dtypes=("float32",) * 2),
+             matmul_desc("g", (50, 40), (40, 70), (50, 70), "h", outputs=("h",), out_dtypes=("float32",)),
+             conv_desc("c", (2, 4, 12, 10), (5, 4, 3, 2), (2, 5, 10, 5),
+                       dict(group=1, strides=(1, 2), pads=(2, 2, 2, 2), dilations=(2, 3)), "h",
+                       outputs=("h",), out_dtypes=("float32",))]
+    for d in descs + [replace(descs[1], a_const=True, b_const=True)]:
+        d = G.canonical(d)
+        bl = G.default_blocking(d)
+        lay = G.layout(d, bl, 2)
+        real = (G._pack_a_kernel(d, bl, lay.pan_per_group), G._pack_b_kernel(d, bl, lay.nc), G._epilogue_kernel(d, bl))
+        for got, want in zip(G._signatures(d, bl, lay), real):
+            assert (got.name, got.params, got.parallel_var, got.parallel_extent) == \
+                   (want.name, want.params, want.parallel_var, want.parallel_extent)
