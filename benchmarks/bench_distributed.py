@@ -92,7 +92,7 @@ def bench_training(ray, steps, lines):
     import apollo_py as ap
     from apollo_py.distributed import DataParallel
     sys.path.insert(0, str(ROOT))
-    from tests.distributed.models import mlp_onnx, mlp_weights
+    from tests.train.mlp_models import mlp_onnx, mlp_weights
     model = mlp_onnx(mlp_weights((784, 1024, 10)))
     rng = np.random.default_rng(0)
     batches = [(rng.standard_normal((256, 784)).astype(np.float32), rng.integers(0, 10, 256))

@@ -11,7 +11,7 @@ loss is checked against the numpy step's (rtol 1e-4) before anything is timed.
 
 Contenders: apollo target "reference" (the numpy oracle), "cpu" (LLVM kernels; matmuls by the
 generated GEMM or BLAS per ``Options.gemm="auto"``), "cpu-blas" (target cpu with every matmul
-through numpy's BLAS), the plain numpy step of tests/train/models.py and jax.jit.
+through numpy's BLAS), the plain numpy step of tests/train/mlp_models.py and jax.jit.
 
 Timing: all contenders of one optimizer run in one process, interleaved round-robin after
 ``warmup`` calls each; a sample is the mean of ``reps`` consecutive calls and each contender's
@@ -54,7 +54,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import apollo_py as ap  # noqa: E402
-from tests.train.models import (NumpyAdam, NumpySGD, mlp_graph, mlp_loss_and_grads,  # noqa: E402
+from tests.train.mlp_models import (NumpyAdam, NumpySGD, mlp_graph, mlp_loss_and_grads,  # noqa: E402
                                 mlp_weights)
 
 D, H, C = 784, 1024, 10

@@ -222,12 +222,21 @@ def read_stripped(path: str, mapping=None):
         return None
     if not proto.HasField("graph") or _has_external(proto.graph):
         return None
+    if where and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+        # read the weights ahead in the background (a file not in the page cache: 0.5 GB from
+        # disk overlaps with the compile passes instead of stalling the first kernel that packs)
+        try:
+            mapping.madvise(mmap.MADV_WILLNEED)
+        except (OSError, ValueError):
+            pass
     weights = {}
     for name, (off, dtype, dims) in where.items():
         dt = np.dtype(ONNX_DTYPES[dtype]).newbyteorder("<")
-        a = np.ndarray(dims, dt, buffer=mapping, offset=off)
-        if off % dt.alignment:      # numpy's slow paths and the kernels want aligned arrays
-            a = np.array(a)
-        a.flags.writeable = False
+        if off % dt.alignment:      # numpy's slow paths and the kernels want aligned arrays:
+            # a copy, over a bytes object (immutable: the graph's constants need not copy it)
+            a = np.frombuffer(mapping[off:off + prod(dims) * dt.itemsize], dt).reshape(dims)
+        else:
+            a = np.ndarray(dims, dt, buffer=mapping, offset=off)
+            a.flags.writeable = False
         weights[name] = a
     return proto, check_bytes, weights

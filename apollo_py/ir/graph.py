@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace as dc_replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
+import mmap
+
 import numpy as np
 
 from ..errors import GraphError
@@ -20,14 +22,15 @@ from .types import TensorType, dtype_name
 
 
 def _immutable(array) -> bool:
-    """True for a read-only, C-contiguous numpy array over an immutable ``bytes`` object: no
-    one can write to it, so it need not be copied (a 500 MB model's weights, 1.5 s)."""
+    """True for a read-only, C-contiguous numpy array over an immutable ``bytes`` object or a
+    read-only ``mmap`` (a model file's weights, frontend/onnx_file.py): no one can write to it
+    through this process, so it need not be copied (a 500 MB model's weights, 1.5 s)."""
     if not isinstance(array, np.ndarray) or array.flags.writeable or not array.flags.c_contiguous:
         return False
     base = array
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
-    return isinstance(base, bytes)
+    return isinstance(base, bytes) or isinstance(base, mmap.mmap) and memoryview(base).readonly
 
 
 class ConstArray:

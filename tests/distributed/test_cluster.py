@@ -24,7 +24,8 @@ ray = pytest.importorskip("ray")
 import apollo_py as ap  # noqa: E402
 from apollo_py.distributed import DataParallel, predict  # noqa: E402
 
-from .models import mlp_onnx, mlp_weights  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))   # one MLP for both suites
+from mlp_models import mlp_onnx, mlp_weights  # noqa: E402
 
 # ~1 min of cluster start-up and teardown: run by `make distributed`, not by `make test`
 pytestmark = [pytest.mark.slow,

@@ -5,7 +5,7 @@ import pytest
 import apollo_py as ap
 from apollo_py.errors import ApolloError, CompileError, InputError
 
-from .models import (NumpyAdam, NumpySGD, mlp_graph, mlp_loss_and_grads, mlp_onnx, mlp_weights)
+from .mlp_models import (NumpyAdam, NumpySGD, mlp_graph, mlp_loss_and_grads, mlp_onnx, mlp_weights)
 
 B, STEPS = 256, 20
 
