@@ -65,9 +65,7 @@ class Blocking:
     (k per block: at most this many, K split into near-equal blocks), ``b_block_bytes`` (a
     packed ``KC x NC`` B block, kept in L2), ``max_panels`` (MR-row panels per row group) and
     ``direct_a`` (the micro-kernel broadcasts A from its row-major source instead of a packed
-    copy; None: :func:`direct_a_rule`) and ``split`` (what :func:`layout` cuts first when there
-    are too few tiles for the threads: ``"cols"`` B column blocks, ``"rows"`` row groups; None:
-    columns for a conv, rows otherwise)."""
+    copy; None: :func:`direct_a_rule`)."""
 
     vl: int
     mr: int
@@ -76,7 +74,6 @@ class Blocking:
     b_block_bytes: int = B_BLOCK_BYTES
     max_panels: int = MAX_PANELS
     direct_a: Optional[bool] = None
-    split: Optional[str] = None
 
     def nc(self, kc: int, n: int) -> int:
         """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,
@@ -451,11 +448,9 @@ def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
     mg = -(-npan // bl.max_panels)
-    cols_first = d.conv is not None if bl.split is None else bl.split == "cols"
-    if cols_first and d.batch * njc * mg < want:
+    if d.conv is not None and d.batch * njc * mg < want:
         # a conv's B block is an im2col gather that every row group repeats: split the columns
-        # first (narrower blocks, the constant A panels re-read from cache instead); a tuner
-        # may choose either order for any GEMM (Blocking.split)
+        # first (narrower blocks, the constant A panels re-read from cache instead)
         npc = -(-d.n // bl.nr)
         nc = min(nc, -(-npc // min(npc, -(-want // (d.batch * mg)))) * bl.nr)
         njc = -(-d.n // nc)

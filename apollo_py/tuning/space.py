@@ -3,20 +3,20 @@
 Each candidate changes one thing of the piece's current decision (coordinate descent: a round
 applies candidate ``label`` to every piece that has one, on top of what that piece has won so
 far): a :class:`~apollo_py.codegen.gemm.Blocking` field (``mr``, ``nr``, ``kc``,
-``b_block_bytes``, ``max_panels``, ``direct_a``, ``split``: the order :func:`gemm.layout` cuts
-rows and columns in) or the thread count (one thread: the calling thread runs every tile; two:
-the pool runs them although the product is below ``SMALL_FLOPS``).  A candidate whose blocking
-and layout equal the current ones (the change does not apply at this size) is not offered, so a
-round compiles only the GEMMs it changes.  Rounds are in the order of :data:`GEMM_ROUNDS`: the
-thread split and micro-tile first (the largest effects measured, docs/design/tuning.md), cache
-blocking last, so a tight budget drops the least useful ones.
+``b_block_bytes``, ``max_panels``, ``direct_a``; ``tiles_per_thread`` where this version's
+Blocking has it: how finely :func:`gemm.layout` splits a matmul for the threads) or the thread
+count (one thread: the calling thread runs every tile; two: the pool runs them although the
+product is below ``SMALL_FLOPS``).  A candidate whose blocking and layout equal the current ones
+(the change does not apply at this size) is not offered, so a round compiles only the GEMMs it
+changes.  Rounds are in the order of :data:`GEMM_ROUNDS`: threads and micro-tile first, cache
+blocking last, so a tight budget drops the cache blocking first.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 #: round labels, in the order they are tried
-GEMM_ROUNDS = ("threads", "split", "mr", "nr", "kc-", "kc+", "direct_a", "panels-", "panels+",
+GEMM_ROUNDS = ("threads", "mr", "nr", "kc-", "kc+", "direct_a", "tiles-", "tiles+", "panels-", "panels+",
                "bblock-", "bblock+")
 
 
@@ -49,9 +49,6 @@ def gemm_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
         if not (want == 2 and 2 * desc.batch * desc.m * desc.n * desc.k < SMALL_FLOPS // 64):
             # a tiny product on the pool only wakes a thread; from 1/64 of SMALL_FLOPS on, try it
             out["threads"] = {**(decision or {}), "threads": want}
-    if not inline:
-        offer("split", split="rows" if (bl.split or ("cols" if desc.conv is not None else "rows")) == "cols"
-              else "cols")
     alt_mr = {12: 8, 8: 12, 6: 4, 4: 6}.get(bl.mr)
     if alt_mr and desc.m > min(alt_mr, bl.mr):
         offer("mr", mr=alt_mr)
@@ -65,6 +62,9 @@ def gemm_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
     a_direct = lay.direct_a
     if desc.a_view is None and not desc.a_const:
         offer("direct_a", direct_a=not a_direct)
+    if not inline and hasattr(bl, "tiles_per_thread"):     # gemm3's parallel split (a matmul on > 1 thread)
+        offer("tiles-", tiles_per_thread=max(1, bl.tiles_per_thread // 2))
+        offer("tiles+", tiles_per_thread=bl.tiles_per_thread * 2)
     if lay.npan_a > 4:
         offer("panels-", max_panels=max(4, bl.max_panels // 2))
         offer("panels+", max_panels=bl.max_panels * 2)

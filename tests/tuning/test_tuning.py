@@ -163,11 +163,11 @@ def test_a_tuned_gemm_blocking_changes_the_compiled_gemm_not_the_numbers(tmp_pat
     untuned, want = _exe(_opts(tmp_path, tune="off"))
     step = _gemm_step(untuned)
     assert step.compiled.inline and step.compiled.blocking.mr == 8      # 64 x 64 x 256: one thread
-    decision = {"blocking": {"mr": 12, "nr": 16, "kc": 128, "direct_a": False, "split": "cols"}, "threads": 2}
+    decision = {"blocking": {"mr": 12, "nr": 16, "kc": 128, "direct_a": False}, "threads": 2}
     db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {"kind": "gemm", "decision": decision}})
     exe, out = _exe(_opts(tmp_path))
     cg = _gemm_step(exe).compiled
-    assert (cg.blocking.mr, cg.blocking.nr, cg.blocking.kc, cg.blocking.split) == (12, 16, 128, "cols")
+    assert (cg.blocking.mr, cg.blocking.nr, cg.blocking.kc) == (12, 16, 128)
     assert not cg.inline and not cg.layout.direct_a and cg.layout.nkc == 2
     # another blocking is another compiled module (compile_module's key is the rendered
     # descriptor, blocking and layout), and another model-cache key (db.digest)
@@ -179,11 +179,14 @@ def test_a_tuned_gemm_blocking_changes_the_compiled_gemm_not_the_numbers(tmp_pat
     db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
         "kind": "gemm", "decision": {"blocking": {"nr": 24, "wide": 3}}}})
     assert _gemm_step(_exe(_opts(tmp_path))[0]).compiled.blocking == step.compiled.blocking
+    db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
+        "kind": "gemm", "decision": {"blocking": {"kc": 0}}}})
+    assert _gemm_step(_exe(_opts(tmp_path))[0]).compiled.blocking == step.compiled.blocking
 
 
 def test_gemm_candidates_change_the_code_or_tiles():
     """Every candidate the tuner offers for a GEMM compiles to other tiles or code than the
-    current decision (no round times the same GEMM twice); a conv's split starts from columns."""
+    current decision (no round times the same GEMM twice)."""
     from apollo_py.codegen.gemm import conv_desc, default_blocking, layout, matmul_desc
     from apollo_py.runtime.gemm_step import tuned_blocking
     from apollo_py.tuning.space import GEMM_ROUNDS, gemm_candidates
@@ -192,7 +195,7 @@ def test_gemm_candidates_change_the_code_or_tiles():
                      {"group": 1, "strides": (1, 1), "pads": (1, 1, 1, 1), "dilations": (1, 1)}, "y")
     for d in (mm, conv):
         cands = gemm_candidates(d, {}, 2)
-        assert {"threads", "split", "mr", "nr", "kc-", "kc+"} <= set(cands) <= set(GEMM_ROUNDS), cands
+        assert {"threads", "mr", "nr", "kc-", "kc+"} <= set(cands) <= set(GEMM_ROUNDS), cands
         base = default_blocking(d), layout(d, default_blocking(d), 2)
         for label, dec in cands.items():
             bl, one = tuned_blocking(d, dec)
@@ -201,7 +204,6 @@ def test_gemm_candidates_change_the_code_or_tiles():
                 continue
             assert bl is not None and (bl, layout(d, bl, 2)) != base, label
             assert (bl.mr, bl.nr, bl.vl) != (base[0].mr, base[0].nr, base[0].vl) or layout(d, bl, 2) != base[1], label
-    assert gemm_candidates(conv, {}, 2)["split"] == {"blocking": {"split": "rows"}}
     # coordinate descent: a candidate keeps what the piece has won so far
     assert gemm_candidates(mm, {"blocking": {"kc": 128}}, 2)["mr"]["blocking"]["kc"] == 128
     assert "threads" not in gemm_candidates(mm, {}, 1)
