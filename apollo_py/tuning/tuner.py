@@ -286,14 +286,14 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cand_db = os.path.join(tmpdir, "candidates.json")
     name = options.model_name or graph.name or "model"
 
-    def measure(decisions: dict) -> _Measurement:
+    def measure(decisions: dict, runs: int) -> _Measurement:
         if os.path.exists(cand_db):
             os.remove(cand_db)
         db.write(cand_db, {k: {"kind": k.split(":")[0], "decision": d} for k, d in decisions.items() if d})
         opts = options.replace(tune="replay", tune_db=cand_db, progress=False)
         exe = compile_graph(graph, opts)
         exe.use_driver = True
-        return _Measurement(exe, profile_executable(exe, feeds, repeat=repeat, warmup=1), opts)
+        return _Measurement(exe, profile_executable(exe, feeds, repeat=runs, warmup=1), opts)
 
     best: dict[str, dict] = {}          # piece key -> decision ({} = the compiler's default)
     best_s: dict[str, float] = {}
@@ -321,7 +321,9 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         if bar is not None:
             bar.set_postfix_str(f"{label}: {pieces} pieces")
         t0 = time.perf_counter()
-        m = measure(decisions)
+        # a paired round's pieces are read from the pairs: its own profile is one run (for the
+        # dispatch list and the round's log line)
+        m = measure(decisions, repeat if ref is None else 1)
         if ref is not None:
             m.paired(ref, feeds, max(3, repeat))
         # the estimate of the next round: this one's time (not the first's, which compiled
