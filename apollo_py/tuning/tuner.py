@@ -390,9 +390,11 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         for k, idx in gbase.gemms.items():
             note(k, "gemm", "default", gbase.steps_time(idx), {})
         threads = int(options.num_threads or os.cpu_count() or 1)
-        for label in GEMM_ROUNDS if gbase.gemms else ():
+        focus = _heaviest({k: default_s[k] for k in gbase.gemms}, gbase.total)
+        for label in GEMM_ROUNDS if focus else ():
             cand = {}
-            for k, d in gbase.gemm_descs.items():
+            for k in focus:
+                d = gbase.gemm_descs[k]
                 c = gemm_candidates(d, best.get(k, {}), threads).get(label)
                 if c is not None:
                     cand[k] = c
@@ -494,6 +496,26 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     db.write(result.db, result.records)
     _log(options, result)
     return result
+
+
+#: GEMM pieces are tuned heaviest first until they hold this share of the GEMM time ...
+GEMM_SHARE = 0.95
+#: ... and none below this share of the whole run (each candidate is an LLVM compile)
+GEMM_MIN_SHARE = 0.005
+
+
+def _heaviest(times: Mapping[str, float], total: float) -> list:
+    """The keys of ``times`` worth a GEMM round: heaviest first, until they hold ``GEMM_SHARE``
+    of the sum, none under ``GEMM_MIN_SHARE`` of ``total`` (MobileNetV3 has 60-odd GEMM pieces,
+    most a few microseconds: compiling their candidates would spend the budget on nothing)."""
+    order = sorted(times, key=lambda k: -times[k])
+    out, acc, whole = [], 0.0, sum(times.values())
+    for k in order:
+        if acc >= GEMM_SHARE * whole or times[k] < GEMM_MIN_SHARE * total:
+            break
+        out.append(k)
+        acc += times[k]
+    return out
 
 
 def _ab_ratio(a, b, feeds, rounds: int, reps: int) -> float:
