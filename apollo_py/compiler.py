@@ -91,11 +91,13 @@ def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, pr
     _stage(progress, "GEMM codegen", len(gemms))
     # every other GEMM compiled by a forked child into the disk cache meanwhile (two cores)
     from .codegen.cached import share_with_child
-    built = share_with_child(gemms, lambda s: GemmStep.build(s, options.num_threads, options.cache_dir),
+    from .tuning.db import decisions
+    tuned = decisions(options) if gemms else {}     # gemm: pieces' blocking (docs/design/tuning.md)
+    built = share_with_child(gemms, lambda s: GemmStep.build(s, options.num_threads, options.cache_dir, tuned),
                              options.cache_dir if fork else None)
     built = {id(gemms[i]): step for i, step in built.items()}
     steps = [KernelStep(next(compiled), s.fused, s.fused.param_values, s.inputs, s.outputs) if s.fused is not None
-             else built.get(id(s)) or GemmStep.build(s, options.num_threads, options.cache_dir) if s.gemm is not None
+             else built.get(id(s)) or GemmStep.build(s, options.num_threads, options.cache_dir, tuned) if s.gemm is not None
              else BlasStep(s.blas, s.reason) if s.blas is not None
              else ReferenceStep(s.nodes, s.inputs, s.outputs, s.reason) for s in specs]
     from .deadline import check

@@ -25,9 +25,11 @@ class GemmStep:
     const_inputs: tuple = ()
 
     @staticmethod
-    def build(spec, threads: int | None, cache_dir: str | None = None) -> "GemmStep":
+    def build(spec, threads: int | None, cache_dir: str | None = None, tuned=None) -> "GemmStep":
         """Compile the GEMM of a lowering StepSpec (``spec.gemm`` set), through the piecewise
-        cache in ``cache_dir``."""
+        cache in ``cache_dir``.  ``tuned``: the tuning database's decisions for this machine
+        (tuning/db.py); a ``gemm:`` piece's decision (:func:`tuned_blocking`) sets the
+        blocking and the thread count of a generated GEMM."""
         import os
         from ..codegen.attention import AttentionDesc
         from ..codegen.conv_direct import DirectConvDesc, compile_direct_conv
@@ -45,7 +47,11 @@ class GemmStep:
             a_val = d.a_value or (spec.inputs[1] if d.conv is not None else spec.inputs[0])
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
-            cg = compile_gemm(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
+            nthreads = int(threads or os.cpu_count() or 1)
+            bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
+            cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)
+            if one_thread is not None:      # the decision overrides the SMALL_FLOPS rule
+                cg.inline = one_thread
         return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason, consts)
 
     def const_operands(self) -> tuple:
@@ -94,3 +100,33 @@ class GemmStep:
             self.compiled.run(pool, a, b, ops, outs)
         for v, o in zip(names, outs):
             env[v] = o
+
+
+def gemm_key(d) -> str:
+    """The tuning piece key of a generated GEMM: the digest of its canonical descriptor (sizes,
+    operand views and constness, epilogue; not the graph's value names), so the same product in
+    every layer is one piece."""
+    from ..codegen.gemm import canonical
+    return "gemm:" + canonical(d).name[len("gemm_"):]
+
+
+def tuned_blocking(d, decision):
+    """``(Blocking or None, one thread or None)`` of GEMM ``d`` under a tuning ``decision``
+    (``{"blocking": {field: value}, "threads": 1 | 2}``); ``(None, None)``: the compiler's
+    defaults (codegen/gemm.py: ``default_blocking``, ``SMALL_FLOPS``).  Fields a decision names
+    that this version does not know, or values the micro-kernel cannot take (``nr`` not a
+    multiple of ``vl``), leave the default: a database outlives the code that wrote it."""
+    if not decision:
+        return None, None
+    from dataclasses import fields as dc_fields
+    from ..codegen.gemm import Blocking, default_blocking
+    bl = None
+    known = {f.name for f in dc_fields(Blocking)}     # whatever this version's Blocking has
+    fields = {k: v for k, v in (decision.get("blocking") or {}).items() if k in known}
+    if fields:
+        cand = replace(default_blocking(d), **fields)
+        sizes_ok = all(v is None or isinstance(v, bool) or (isinstance(v, int) and v >= 1) for v in fields.values())
+        if sizes_ok and cand.nr >= cand.vl and cand.nr % cand.vl == 0:
+            bl = cand
+    t = decision.get("threads")
+    return bl, (t == 1) if t in (1, 2) else None

@@ -43,6 +43,7 @@ import numpy as np
 from ..errors import ApolloError
 from ..options import Options
 from . import db
+from .space import GEMM_ROUNDS, gemm_candidates
 
 #: a candidate must beat the piece's best time by this fraction to replace it
 MIN_GAIN = 0.05
@@ -73,7 +74,7 @@ class TuneResult:
     db: str = ""
     plan_steps: list = field(default_factory=list)
     confirm_ratio: float | None = None      # default / tuned whole-run time, interleaved (> 1: faster)
-    rejected: dict = field(default_factory=dict)    # decisions dropped since the whole was not faster
+    rejected: dict = field(default_factory=dict)    # decisions dropped: not confirmed, or the whole was not faster
     slower_rounds: list = field(default_factory=list)   # rounds whose whole run was slower: not used
 
     @property
@@ -122,17 +123,70 @@ class _Measurement:
         for i, s in enumerate(exe.steps):
             if isinstance(s, KernelStep) and s.fused is not None and (s.compiled.parallel_extent or 0) > 1:
                 self.kernels.setdefault(db.kernel_key(s.fused, types), []).append(i)
-        index = {id(s): i for i, s in enumerate(exe.steps)}
+        index = self._index = {id(s): i for i, s in enumerate(exe.steps)}
         keyed = {id(s): db.kernel_key(s.fused, types) for s in exe.steps if isinstance(s, KernelStep)}
         self.runs: dict[str, list[int]] = {}
         for run in exe.runs:
             self.runs.setdefault(db.run_key([keyed[id(s)] for s in run]), []).extend(index[id(s)] for s in run)
+        # generated GEMMs and implicit-GEMM convs (a direct conv or fused attention has no Blocking)
+        from ..runtime.gemm_step import gemm_key
+        self.gemms: dict[str, list[int]] = {}
+        self.gemm_descs: dict[str, object] = {}
+        for i, s in enumerate(exe.steps):
+            cg = getattr(s, "compiled", None)
+            if type(s).__name__ == "GemmStep" and getattr(cg, "blocking", None) is not None:
+                k = gemm_key(cg.desc)
+                self.gemms.setdefault(k, []).append(i)
+                self.gemm_descs[k] = cg.desc
 
-    def mg_time(self, mgs) -> float:
+    def run_steps(self, feeds) -> list[float]:
+        """One traced run: seconds per step (a layer-3 group's time shared as in ``step_s``)."""
+        exe = self.exe
+        trace: list = []
+        exe.trace = trace
+        try:
+            exe.run(feeds)
+        finally:
+            exe.trace = None
+        out = [0.0] * len(exe.steps)
+        for k, sec in trace:
+            kind, item = exe._schedule[k]
+            members = item if kind == "kernels" else [item]
+            idx = [self._index[id(s)] for s in members]
+            w = [max(1, getattr(getattr(s, "fused", None), "bytes", 1)) for s in members]
+            for i, wi in zip(idx, w):
+                out[i] += sec * wi / sum(w)
+        return out
+
+    def paired(self, ref: "_Measurement", feeds, runs: int) -> None:
+        """Runs this executable and ``ref``'s alternately (``runs`` each, the order swapped
+        every pair): :meth:`pair_ratio` then compares pieces under the same load, which on a
+        shared box drifts by 2x within seconds -- more than any candidate's effect."""
+        self.ref, self.pairs = ref, []
+        for r in range(runs):
+            if r % 2:
+                mine = self.run_steps(feeds)
+                self.pairs.append((ref.run_steps(feeds), mine))
+            else:
+                theirs = ref.run_steps(feeds)
+                self.pairs.append((theirs, self.run_steps(feeds)))
+
+    def pair_ratio(self, ref_idx, idx) -> float:
+        """Median over the paired runs of (this run's seconds in steps ``idx``) / (the
+        reference's in ``ref_idx``); ``("mgs", set)`` instead of indices: the steps computing
+        those micro-graphs (:meth:`mg_time`)."""
+        def secs(m, sel, ss):
+            return m.mg_time(sel[1], ss) if isinstance(sel, tuple) else sum(ss[i] for i in sel)
+        return statistics.median(secs(self, idx, mine) / max(1e-12, secs(self.ref, ref_idx, theirs))
+                                 for theirs, mine in self.pairs)
+
+    def mg_time(self, mgs, step_s=None) -> float:
         """Seconds of the steps computing micro-graphs ``mgs`` (a step computing others too
-        counts by the share of its micro-graphs in ``mgs``)."""
+        counts by the share of its micro-graphs in ``mgs``); ``step_s``: one run's (default:
+        the profile's medians)."""
         mgs = set(mgs)
-        return sum(t * len(m & mgs) / len(m) for t, m in zip(self.step_s, self.step_mgs) if m & mgs)
+        return sum(t * len(m & mgs) / len(m) for t, m in zip(self.step_s if step_s is None else step_s,
+                                                             self.step_mgs) if m & mgs)
 
     def steps_time(self, idx) -> float:
         return sum(self.step_s[i] for i in idx)
@@ -147,6 +201,14 @@ class _Measurement:
             if any(share):
                 out += m.cost(d.bytes, d.flops) * sum(share) / len(share)
         return out
+
+    def predicted_steps(self, idx) -> float:
+        """The cost model's seconds for steps ``idx`` (a dispatch running others too counts by
+        the share of its steps in ``idx``)."""
+        m = self.exe.machine
+        idx = set(idx)
+        return sum(m.cost(d.bytes, d.flops) * len(idx & set(d.steps)) / len(d.steps)
+                   for d in self.prof.steps if idx & set(d.steps))
 
     def group_uses_gemm(self, g) -> str | None:
         """"generated" / "blas" for a group holding a float32 matmul on the CPU, else None."""
@@ -224,14 +286,14 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cand_db = os.path.join(tmpdir, "candidates.json")
     name = options.model_name or graph.name or "model"
 
-    def measure(decisions: dict) -> _Measurement:
+    def measure(decisions: dict, runs: int) -> _Measurement:
         if os.path.exists(cand_db):
             os.remove(cand_db)
         db.write(cand_db, {k: {"kind": k.split(":")[0], "decision": d} for k, d in decisions.items() if d})
         opts = options.replace(tune="replay", tune_db=cand_db, progress=False)
         exe = compile_graph(graph, opts)
         exe.use_driver = True
-        return _Measurement(exe, profile_executable(exe, feeds, repeat=repeat, warmup=1), opts)
+        return _Measurement(exe, profile_executable(exe, feeds, repeat=runs, warmup=1), opts)
 
     best: dict[str, dict] = {}          # piece key -> decision ({} = the compiler's default)
     best_s: dict[str, float] = {}
@@ -239,14 +301,19 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cands: dict[str, dict] = {}
     kinds: dict[str, str] = {}
     result = TuneResult(model=name, default_s=0.0, tuned_s=0.0, db=db.db_path(options))
-    bar = _bar(8 + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES), name, progress if progress is not None
+    bar = _bar(10 + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
                else options.progress)
     last_round = [0.0]
     ref_total = [float("inf")]     # whole-run time of the last reference round
 
-    def run_round(label: str, decisions: dict, pieces: int) -> _Measurement | None:
+    def run_round(label: str, decisions: dict, pieces: int, ref: _Measurement | None = None,
+                  whole: bool = True) -> _Measurement | None:
+        """Compile and profile with ``decisions``; with ``ref``, also run against ``ref``'s
+        executable alternately (:meth:`_Measurement.paired`): pieces are then compared by
+        paired ratios, and so is the whole run (``whole``: a round whose whole run is slower
+        than ``ref``'s is not used)."""
         elapsed = time.perf_counter() - t_start
-        if label not in ("default", "final") and elapsed + last_round[0] > budget:
+        if label not in ("default", "final", "gemm confirm") and elapsed + last_round[0] > budget:
             result.skipped.append(label)
             return None
         if on_round:
@@ -254,16 +321,21 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         if bar is not None:
             bar.set_postfix_str(f"{label}: {pieces} pieces")
         t0 = time.perf_counter()
-        m = measure(decisions)
+        # a paired round's pieces are read from the pairs: its own profile is one run (for the
+        # dispatch list and the round's log line)
+        m = measure(decisions, repeat if ref is None else 1)
+        if ref is not None:
+            m.paired(ref, feeds, max(3, repeat))
         # the estimate of the next round: this one's time (not the first's, which compiled
         # everything cold and measured the machine)
         last_round[0] = 0.0 if label == "default" else time.perf_counter() - t0
-        result.rounds.append((label, round(last_round[0], 3)))
+        result.rounds.append((label, round(last_round[0], 3), round(m.total * 1e3, 3)))
         if bar is not None:
             bar.update(1)
         if label in ("default", "rebaseline", "final"):
             ref_total[0] = m.total
-        elif m.total > ref_total[0] * (1 + MIN_GAIN):
+        elif whole and (m.pair_ratio(range(len(ref.exe.steps)), range(len(m.exe.steps))) if ref is not None
+                        else m.total / ref_total[0]) > 1 + MIN_GAIN:
             # the round is slower as a whole: a piece's own time may have improved while it
             # slowed the others down (OpenBLAS threads spinning after a BLAS call), so no piece
             # takes this round's candidate
@@ -292,10 +364,11 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         for k, g in m0.stitches.items():
             note(k, "stitch", "default", m0.mg_time(g), {})
         if m0.stitches:
-            m = run_round("stitch off", {k: {"stitch": False} for k in m0.stitches}, len(m0.stitches))
+            m = run_round("stitch off", {k: {"stitch": False} for k in m0.stitches}, len(m0.stitches), ref=m0)
             if m is not None:
                 for k, g in m0.stitches.items():
-                    note(k, "stitch", "stitch off", m.mg_time(g), {"stitch": False})
+                    note(k, "stitch", "stitch off", default_s[k] * m.pair_ratio(("mgs", g), ("mgs", g)),
+                         {"stitch": False})
         base = run_round("rebaseline", decided(), 0) if decided() else m0
         base = base or m0
         groups = dict(base.groups)
@@ -306,20 +379,63 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                  for k, g in groups.items() if base.group_uses_gemm(g) == "blas"
                  or (TRY_BLAS and base.group_uses_gemm(g) == "generated")}
         if flips:
-            m = run_round("gemm flip", {**decided(), **flips}, len(flips))
+            m = run_round("gemm flip", {**decided(), **flips}, len(flips), ref=base)
             if m is not None:
                 for k, d in flips.items():
-                    note(k, "group", f"gemm={d['gemm']}", m.mg_time(groups[k]), dict(d))
+                    g = ("mgs", groups[k])
+                    note(k, "group", f"gemm={d['gemm']}", default_s[k] * m.pair_ratio(g, g), dict(d))
+        # generated GEMM / implicit-GEMM conv: blocking, tile split, threads (tuning/space.py)
+        gbase = run_round("rebaseline", decided(), 0) if decided() else base
+        gbase = gbase or base
+        for k, idx in gbase.gemms.items():
+            note(k, "gemm", "default", gbase.steps_time(idx), {})
+        threads = int(options.num_threads or os.cpu_count() or 1)
+        focus = _heaviest({k: default_s[k] for k in gbase.gemms}, gbase.total)
+        for label in GEMM_ROUNDS if focus else ():
+            cand = {}
+            for k in focus:
+                d = gbase.gemm_descs[k]
+                c = gemm_candidates(d, best.get(k, {}), threads).get(label)
+                if c is not None:
+                    cand[k] = c
+            if not cand:
+                continue
+            # GEMMs run one after another on the pool (no BLAS threads left spinning): a piece's
+            # candidate does not slow the others, so a round may keep its winners while others lose
+            m = run_round(f"gemm {label}", {**decided(), **cand}, len(cand), ref=gbase, whole=False)
+            if m is not None:
+                for k in cand:
+                    if k in m.gemms:
+                        note(k, "gemm", f"gemm {label}", default_s[k] * m.pair_ratio(gbase.gemms[k], m.gemms[k]),
+                             cand[k])
+        # a second, paired look at every GEMM decision together: one round's win on a loaded box
+        # may be noise (measured: single-round ratios spread 0.2-11 at load 14), so a piece keeps
+        # its decision only if it is still MIN_GAIN faster than the default here
+        won = [k for k in gbase.gemms if best.get(k)]
+        if won:
+            m = run_round("gemm confirm", decided(), len(won), ref=gbase, whole=False)
+            for k in won:
+                r = m.pair_ratio(gbase.gemms[k], m.gemms[k]) if m is not None and k in m.gemms else 1.0
+                cands[k]["gemm confirm"] = round(default_s[k] * r, 9)
+                if r > 1 - MIN_GAIN:
+                    result.rejected[k] = best[k]
+                    best[k], best_s[k] = {}, default_s[k]
         # layer-1 tile sizes, per group with a generated kernel (on top of its gemm decision)
+        # (after the GEMM rounds, timed against a plan with every decision so far: a matmul
+        # group's GEMM decision is not credited to its tiles)
+        tbase = run_round("rebaseline", decided(), 0) if decided() else base
+        tbase = tbase or base
         tiled = [k for k, g in groups.items() if any(getattr(s, "fused", None) is not None and base.step_mgs[i] & set(g)
                                                       for i, s in enumerate(base.exe.plan.kernels))]
+        tref = dict(best_s)     # each piece's time in tbase's plan
         for tiles in TILE_CANDIDATES:
             cand = {k: {**best.get(k, {}), "tiles": list(tiles)} for k in tiled}
-            m = run_round(f"tiles {tiles}", {**decided(), **cand}, len(cand))
+            m = run_round(f"tiles {tiles}", {**decided(), **cand}, len(cand), ref=tbase)
             if m is not None:
                 for k in tiled:
                     if k in m.groups:
-                        note(k, "group", f"tiles={list(tiles)}", m.mg_time(groups[k]), cand[k])
+                        g = ("mgs", groups[k])
+                        note(k, "group", f"tiles={list(tiles)}", tref[k] * m.pair_ratio(g, g), cand[k])
         base = run_round("rebaseline", decided(), 0) or base
         # recalibrate the cost model before the runtime rounds, so that layer 3's groups in
         # them (and in every later compile) are the ones the corrected model makes
@@ -332,27 +448,29 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
             cand = {k: {"parts": p} for k in base.kernels}
             if not cand:
                 break
-            m = run_round(f"parts {p}", {**decided(), **cand}, len(cand))
+            m = run_round(f"parts {p}", {**decided(), **cand}, len(cand), ref=base)
             if m is not None:
                 for k in base.kernels:
                     if k in m.kernels:
-                        note(k, "kernel", f"parts={p}", m.steps_time(m.kernels[k]), {"parts": p})
+                        note(k, "kernel", f"parts={p}", default_s[k] * m.pair_ratio(base.kernels[k], m.kernels[k]),
+                             {"parts": p})
         for k, idx in base.runs.items():
             note(k, "run", "default", base.steps_time(idx), {})
         if base.runs:
             m = run_round("layer3 separate", {**decided(), **{k: {"layer3": "separate"} for k in base.runs}},
-                          len(base.runs))
+                          len(base.runs), ref=base)
             if m is not None:
                 for k in base.runs:
                     if k in m.runs:
-                        note(k, "run", "layer3 separate", m.steps_time(m.runs[k]), {"layer3": "separate"})
+                        note(k, "run", "layer3 separate", default_s[k] * m.pair_ratio(base.runs[k], m.runs[k]),
+                             {"layer3": "separate"})
         final = run_round("final", decided(), 0)
         if decided():
             # confirmation: the default and the tuned executables interleaved, whole runs; a
             # tuned plan that is not faster as a whole (noise won a piece) is not kept
             result.confirm_ratio = _ab_ratio(m0.exe, final.exe, feeds, rounds=5, reps=max(3, repeat))
             if result.confirm_ratio < 1.0:
-                result.rejected = decided()
+                result.rejected.update(decided())
                 best = {k: {} for k in best}
                 best_s.update(default_s)
                 final = run_round("final", {}, 0)
@@ -370,13 +488,34 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     date = db.stamp()
     for k in best:
         mgs = groups.get(k) or m0.stitches.get(k)
-        pred = final.predicted(mgs) if mgs else None
+        idx = final.kernels.get(k) or final.runs.get(k) or final.gemms.get(k)
+        pred = final.predicted(mgs) if mgs else final.predicted_steps(idx) if idx else None
         result.records[k] = {"kind": kinds[k], "decision": best[k], "tuned_s": round(best_s[k], 9),
                              "default_s": round(default_s[k], 9), "candidates": cands[k], "model": name,
                              "date": date, **({"predicted_s": round(pred, 9)} if pred is not None else {})}
     db.write(result.db, result.records)
     _log(options, result)
     return result
+
+
+#: GEMM pieces are tuned heaviest first until they hold this share of the GEMM time ...
+GEMM_SHARE = 0.95
+#: ... and none below this share of the whole run (each candidate is an LLVM compile)
+GEMM_MIN_SHARE = 0.005
+
+
+def _heaviest(times: Mapping[str, float], total: float) -> list:
+    """The keys of ``times`` worth a GEMM round: heaviest first, until they hold ``GEMM_SHARE``
+    of the sum, none under ``GEMM_MIN_SHARE`` of ``total`` (MobileNetV3 has 60-odd GEMM pieces,
+    most a few microseconds: compiling their candidates would spend the budget on nothing)."""
+    order = sorted(times, key=lambda k: -times[k])
+    out, acc, whole = [], 0.0, sum(times.values())
+    for k in order:
+        if acc >= GEMM_SHARE * whole or times[k] < GEMM_MIN_SHARE * total:
+            break
+        out.append(k)
+        acc += times[k]
+    return out
 
 
 def _ab_ratio(a, b, feeds, rounds: int, reps: int) -> float:
@@ -400,8 +539,9 @@ def _ab_ratio(a, b, feeds, rounds: int, reps: int) -> float:
 
 
 def plan_steps(exe) -> list:
-    """What a plan's steps are, for comparing plans: kind, ops, tiles, parts, the groups layer 3
-    runs together (no value names or times)."""
+    """What a plan's steps are, for comparing plans: kind, ops, tiles, parts, a generated
+    GEMM's blocking, layout and thread choice, the groups layer 3 runs together (no value names
+    or times)."""
     from ..runtime.cpu import KernelStep, _parts
     out = []
     for s, spec in zip(exe.steps, exe.plan.kernels):
@@ -409,6 +549,10 @@ def plan_steps(exe) -> list:
         row = [d["kind"], d.get("ops")]
         if isinstance(s, KernelStep):
             row += [list(s.fused.tile_sizes), _parts(s, exe.machine)]
+        cg = getattr(s, "compiled", None)
+        if getattr(cg, "blocking", None) is not None:       # a generated GEMM: blocking, tiles, threads
+            import dataclasses
+            row += [list(dataclasses.astuple(cg.blocking)), list(dataclasses.astuple(cg.layout)), bool(cg.inline)]
         out.append(row)
     index = {id(s): i for i, s in enumerate(exe.steps)}
     out.append(["launches", [[index[id(s)] for s in item] for kind, item in exe._schedule if kind == "kernels"]])

@@ -59,24 +59,44 @@ def test_options_check_the_tuning_fields():
         ap.Options(tune_budget=0)
 
 
-def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_path):
+def _gemm_step(exe):
+    """The graph's generated GEMM step (the weight matmul with its tanh epilogue)."""
+    steps = [s for s in exe.steps if getattr(getattr(s, "compiled", None), "blocking", None) is not None]
+    assert len(steps) == 1, [type(s).__name__ for s in exe.steps]
+    return steps[0]
+
+
+def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_path, monkeypatch):
+    import apollo_py.tuning.tuner as T
+    # every candidate wins and the whole is kept: the plan replayed below then has a
+    # non-default decision of every kind the graph offers (a GEMM blocking among them),
+    # whatever this box's timings are (the selection itself: test_options_tune_...)
+    monkeypatch.setattr(T, "MIN_GAIN", -10.0)
+    monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    # one candidate of each kind is enough to replay (the full lists: test_gemm_candidates_...)
+    monkeypatch.setattr(T, "TILE_CANDIDATES", ((16,),))
+    monkeypatch.setattr(T, "PARTS_CANDIDATES", (1,))
+    monkeypatch.setattr(T, "GEMM_ROUNDS", ("threads", "mr", "kc-"))
     opts = _opts(tmp_path)
-    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=3, progress=False)
+    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False)
     assert res.tuned_s > 0 and res.default_s > 0 and os.path.exists(res.db)
     doc = json.load(open(res.db))
     pieces = doc["machines"][db.machine_key()]["pieces"]
     assert set(pieces) == set(res.records)
     kinds = {r["kind"] for r in pieces.values()}
-    assert {"stitch", "group", "kernel"} <= kinds, kinds
+    assert {"stitch", "group", "kernel", "gemm"} <= kinds, kinds
+    gemm = [r for r in pieces.values() if r["kind"] == "gemm"]
+    assert len(gemm) == 1 and gemm[0]["decision"] == {"threads": 2, "blocking": {"mr": 12, "kc": 128}}, gemm
     exe, _ = _exe(opts.replace(tune="off"))
     _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, {}, with_keys=True)
     assert set(keys) <= set(pieces)     # every lowering group has a stored decision
     for r in pieces.values():
-        assert r["tuned_s"] <= r["default_s"] + 1e-12 and "candidates" in r
+        assert r["tuned_s"] in r["candidates"].values()
     events = [json.loads(line) for line in open(tmp_path / "feedback.jsonl")]
     tuned_events = [e for e in events if e["event"] == "tuning_result"]
     assert len(tuned_events) == len(res.records)
-    assert any(e["detail"]["predicted_ms"] for e in tuned_events)
+    # measured vs predicted for every piece the profile times (kernel, run and GEMM pieces too)
+    assert all(e["detail"]["predicted_ms"] > 0 for e in tuned_events), tuned_events
     assert json.load(open(tmp_path / "cost_corrections.json"))["machines"][db.machine_key()]["factors"]
     # a new process: every timing function fails, the plan is the tuned one, numbers the untuned ones
     (tmp_path / "want.json").write_text(json.dumps(res.plan_steps))
@@ -91,6 +111,8 @@ P.profile_executable = T.profile_executable = T.tune_graph = T._Measurement = M.
 import test_tuning as t
 exe, out = t._exe(t._opts({str(tmp_path)!r}))
 assert T.plan_steps(exe) == json.load(open({str(tmp_path / 'want.json')!r})), T.plan_steps(exe)
+bl = t._gemm_step(exe).compiled.blocking
+assert all(getattr(bl, f) == v for f, v in {gemm[0]['decision']['blocking']!r}.items()), bl
 want = np.load({str(tmp_path / 'untuned.npz')!r})
 for k, a in enumerate(out):
     np.testing.assert_allclose(a, want[f"arr_{{k}}"], rtol=1e-5, atol=1e-6)
@@ -136,6 +158,57 @@ def test_stored_decisions_change_the_plan_not_the_numbers(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_tuned_gemm_blocking_changes_the_compiled_gemm_not_the_numbers(tmp_path):
+    from apollo_py.runtime.gemm_step import gemm_key
+    untuned, want = _exe(_opts(tmp_path, tune="off"))
+    step = _gemm_step(untuned)
+    assert step.compiled.inline and step.compiled.blocking.mr == 8      # 64 x 64 x 256: one thread
+    decision = {"blocking": {"mr": 12, "nr": 16, "kc": 128, "direct_a": False}, "threads": 2}
+    db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {"kind": "gemm", "decision": decision}})
+    exe, out = _exe(_opts(tmp_path))
+    cg = _gemm_step(exe).compiled
+    assert (cg.blocking.mr, cg.blocking.nr, cg.blocking.kc) == (12, 16, 128)
+    assert not cg.inline and not cg.layout.direct_a and cg.layout.nkc == 2
+    # another blocking is another compiled module (compile_module's key is the rendered
+    # descriptor, blocking and layout), and another model-cache key (db.digest)
+    assert cg.engine is not step.compiled.engine and db.digest(_opts(tmp_path))
+    assert plan_steps(exe) != plan_steps(untuned)
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # a field this version does not know, or an nr the micro-kernel cannot take: the default
+    db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
+        "kind": "gemm", "decision": {"blocking": {"nr": 24, "wide": 3}}}})
+    assert _gemm_step(_exe(_opts(tmp_path))[0]).compiled.blocking == step.compiled.blocking
+    db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
+        "kind": "gemm", "decision": {"blocking": {"kc": 0}}}})
+    assert _gemm_step(_exe(_opts(tmp_path))[0]).compiled.blocking == step.compiled.blocking
+
+
+def test_gemm_candidates_change_the_code_or_tiles():
+    """Every candidate the tuner offers for a GEMM compiles to other tiles or code than the
+    current decision (no round times the same GEMM twice)."""
+    from apollo_py.codegen.gemm import conv_desc, default_blocking, layout, matmul_desc
+    from apollo_py.runtime.gemm_step import tuned_blocking
+    from apollo_py.tuning.space import GEMM_ROUNDS, gemm_candidates
+    mm = matmul_desc("mm", (384, 512), (512, 768), (384, 768), "y")
+    conv = conv_desc("cv", (1, 256, 14, 14), (256, 256, 3, 3), (1, 256, 14, 14),
+                     {"group": 1, "strides": (1, 1), "pads": (1, 1, 1, 1), "dilations": (1, 1)}, "y")
+    for d in (mm, conv):
+        cands = gemm_candidates(d, {}, 2)
+        assert {"threads", "mr", "nr", "kc-", "kc+"} <= set(cands) <= set(GEMM_ROUNDS), cands
+        base = default_blocking(d), layout(d, default_blocking(d), 2)
+        for label, dec in cands.items():
+            bl, one = tuned_blocking(d, dec)
+            if label == "threads":
+                assert bl is None and one is True
+                continue
+            assert bl is not None and (bl, layout(d, bl, 2)) != base, label
+            assert (bl.mr, bl.nr, bl.vl) != (base[0].mr, base[0].nr, base[0].vl) or layout(d, bl, 2) != base[1], label
+    # coordinate descent: a candidate keeps what the piece has won so far
+    assert gemm_candidates(mm, {"blocking": {"kc": 128}}, 2)["mr"]["blocking"]["kc"] == 128
+    assert "threads" not in gemm_candidates(mm, {}, 1)
+
+
 def test_a_database_of_another_machine_is_ignored(tmp_path):
     untuned, decisions = _decisions(tmp_path)
     records = {k: {"kind": k.split(":")[0], "decision": d} for k, d in decisions.items()}
@@ -160,7 +233,8 @@ def test_cli_tune_reports_and_stores(tmp_path, capsys):
     from apollo_py.cli import main
     assert main(["--cache-dir", str(tmp_path), "tune", path, "--budget", "5", "--repeat", "2"]) == 2
     assert "--shape x=D0,D1" in capsys.readouterr().err
-    assert main(["--cache-dir", str(tmp_path), "tune", path, "--shape", "x=256,128", "--budget", "5",
+    # a budget of one round: the command's parsing, report and database (the rounds: the tests above)
+    assert main(["--cache-dir", str(tmp_path), "tune", path, "--shape", "x=256,128", "--budget", "0.01",
                  "--repeat", "2", "--json", "--progress", "off"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["records"] and out["db"] == str(tmp_path / "tuning.json") and os.path.exists(out["db"])
@@ -171,6 +245,9 @@ def test_options_tune_tunes_on_first_call_then_replays(tmp_path, monkeypatch):
     f = ap.jit(_graph(), options=opts)
     f.run(**_feeds())
     assert db.decisions(opts), "the first call at a shape tunes and stores decisions"
+    pieces = json.load(open(tmp_path / "tuning.json"))["machines"][db.machine_key()]["pieces"]
+    for r in pieces.values():       # a piece keeps its default unless a candidate was faster
+        assert r["tuned_s"] <= r["default_s"] + 1e-12 and "candidates" in r
     import apollo_py.tuning.tuner as T
 
     def fail(*a, **k):
