@@ -93,9 +93,12 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
     tile = bl.mr * bl.nr
     npb = lay.nc // bl.nr
-    bbytes = -(-(lay.nc * kcb * 4) // 64) * 64
+    # scratch only where it is used: a B packed once and an A read in place or packed once
+    # need none (a large unused block is still an mmap + munmap per call, and munmap stops
+    # every other thread of the process for a TLB shootdown)
+    bbytes = 64 if d.b_const else -(-(lay.nc * kcb * 4) // 64) * 64
     cbytes = lay.pan_per_group * npb * tile * 4
-    abytes = lay.pan_per_group * d.k * bl.mr * 4
+    abytes = 64 if lay.direct_a or d.a_const else lay.pan_per_group * d.k * bl.mr * 4
     per_t = lay.njc * lay.mg
     s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
          "  %asrc = load ptr, ptr %args",
