@@ -15,12 +15,11 @@ keeps matmul as a numpy step, which is always correct.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import threading
 
 import numpy as np
 
+from ..codegen.blas_info import candidate_libraries
 from ..errors import InputError
 from ..layers.blas_fold import BlasDesc
 
@@ -32,15 +31,6 @@ _FLAVOURS = (("scipy_cblas_{}64_", ctypes.c_int64), ("cblas_{}64_", ctypes.c_int
 
 _lock = threading.Lock()
 _loaded: dict = {}
-
-
-def _candidate_libraries() -> list[str]:
-    import numpy
-    root = os.path.dirname(numpy.__file__)
-    names = []
-    for pattern in ("../numpy.libs/*blas*", ".dylibs/*blas*", "../numpy.libs/*mkl_rt*"):
-        names += sorted(glob.glob(os.path.join(root, pattern)))
-    return names
 
 
 class Cblas:
@@ -73,7 +63,7 @@ def cblas() -> Cblas | None:
 
 
 def _find() -> Cblas | None:
-    for path in _candidate_libraries():
+    for path in candidate_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
