@@ -56,6 +56,8 @@ KC_MAX = 256          # k per block: an NR-column B micro-panel (KC x NR floats,
 MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in L2
 DIRECT_MR8_K = 768  # see blocking_for
 SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
+TILES_PER_THREAD = 8  # on several threads, split until there are this many tiles per thread ...
+TILE_FLOPS = 1 << 20  # ... or tiles of this many flops (~4 us), whichever gives fewer tiles
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,11 @@ class Blocking:
     """Register and cache blocking -- every size the kernel's speed depends on, explicit so
     that a tuner can pick them: vector width ``vl`` (floats), micro-tile ``mr x nr``, ``kc``
     (k per block: at most this many, K split into near-equal blocks), ``b_block_bytes`` (a
-    packed ``KC x NC`` B block, kept in L2), ``max_panels`` (MR-row panels per row group) and
+    packed ``KC x NC`` B block, kept in L2), ``max_panels`` (MR-row panels per row group),
     ``direct_a`` (the micro-kernel broadcasts A from its row-major source instead of a packed
-    copy; None: :func:`direct_a_rule`)."""
+    copy; None: :func:`direct_a_rule`), and the parallel split: on ``T > 1`` threads the
+    tiles are made smaller until there are ``tiles_per_thread * T`` of them or each is down
+    to ``tile_flops`` (:func:`layout`)."""
 
     vl: int
     mr: int
@@ -74,6 +78,8 @@ class Blocking:
     b_block_bytes: int = B_BLOCK_BYTES
     max_panels: int = MAX_PANELS
     direct_a: Optional[bool] = None
+    tiles_per_thread: int = TILES_PER_THREAD
+    tile_flops: int = TILE_FLOPS
 
     def nc(self, kc: int, n: int) -> int:
         """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,
@@ -465,25 +471,58 @@ def direct_a_rule(d: GemmDesc, bl: Blocking) -> bool:
 
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     """Blocks of ``nc`` columns (``KC x nc`` packed B within ``B_BLOCK_BYTES``); rows in groups
-    of at most ``MAX_PANELS`` panels, split further while there are fewer than ``4 * threads``
-    tiles and a group keeps at least 4 panels."""
+    of at most ``MAX_PANELS`` panels.  On several threads a matmul's tiles are then made
+    smaller (:func:`_parallel_split`); a conv splits columns first, then row groups of at
+    least 4 panels, until there are ``4 * threads`` tiles."""
     nc = bl.nc(k_blocks(d.k, bl.kc)[1], d.n)
     njc = -(-d.n // nc)
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
     mg = -(-npan // bl.max_panels)
-    if d.conv is not None and d.batch * njc * mg < want:
-        # a conv's B block is an im2col gather that every row group repeats: split the columns
-        # first (narrower blocks, the constant A panels re-read from cache instead)
-        npc = -(-d.n // bl.nr)
-        nc = min(nc, -(-npc // min(npc, -(-want // (d.batch * mg)))) * bl.nr)
+    if d.conv is not None:
+        if d.batch * njc * mg < want:
+            # a conv's B block is an im2col gather that every row group repeats: split the
+            # columns first (narrower blocks, the constant A panels re-read from cache instead)
+            npc = -(-d.n // bl.nr)
+            nc = min(nc, -(-npc // min(npc, -(-want // (d.batch * mg)))) * bl.nr)
+            njc = -(-d.n // nc)
+        if d.batch * njc * mg < want:
+            mg = max(mg, min(-(-want // (d.batch * njc)), npan // 4))
+    elif threads > 1:
+        mg, nc = _parallel_split(d, bl, threads, mg, nc, npan)
         njc = -(-d.n // nc)
-    if d.batch * njc * mg < want:
-        mg = max(mg, min(-(-want // (d.batch * njc)), npan // 4))
     ppg = -(-npan // mg)
     mg = -(-npan // ppg)
     nkc, kcb = k_blocks(d.k, bl.kc)
     return GemmLayout(nc, njc, mg, ppg, npan, d.batch * njc * mg, nkc, kcb, direct_a_rule(d, bl))
+
+
+def _parallel_split(d: GemmDesc, bl: Blocking, threads: int, mg0: int, nc0: int, npan: int) -> tuple:
+    """``(row groups, columns per block)`` of a matmul on ``threads`` threads: the fewest
+    tiles that reach ``min(tiles_per_thread * threads, flops / tile_flops)`` (at least
+    ``threads``), as square as the sizes allow.  The main kernel's threads claim tiles one
+    at a time, so many small tiles balance a late pool wake-up or a preempted thread within
+    one tile; what a smaller tile costs is traffic: every row group re-reads (or, B not
+    constant, re-packs) its B block, every column block re-reads its A rows.  Among the
+    splits that reach the count: least of ``njc * M + mg * N * w`` (``w`` 3 where B is
+    packed per tile), a tile count that divides evenly among the threads first."""
+    flops = 2 * d.batch * d.m * d.n * d.k
+    target = max(threads, min(bl.tiles_per_thread * threads, flops // max(1, bl.tile_flops)))
+    if d.batch * mg0 * (-(-d.n // nc0)) >= target:
+        return mg0, nc0
+    npc = -(-d.n // bl.nr)                  # NR-column panels of C
+    w = 1 if d.b_const else 3
+    best = None
+    for mg in sorted({-(-npan // -(-npan // g)) for g in range(mg0, npan + 1)}):
+        for cb in range(-(-d.n // nc0), npc + 1):
+            nc = -(-npc // cb) * bl.nr
+            njc = -(-d.n // nc)
+            tiles = d.batch * mg * njc
+            key = (tiles < target, tiles % threads != 0 if tiles >= target else 0,
+                   njc * d.m + mg * d.n * w if tiles >= target else -tiles, tiles)
+            if best is None or key < best[0]:
+                best = (key, mg, nc)
+    return best[1], best[2]
 
 
 def packed_b_size(d: GemmDesc, lay: GemmLayout) -> int:
@@ -514,7 +553,8 @@ class CompiledGemm:
         self.desc, self.blocking, self.layout = desc, bl, lay
         self.engine = engine   # owns the machine code
         self.ir = ir
-        main = L.Kernel(desc.name, main_params, L.Block(), "t", lay.tiles)
+        # the last param is the tile counter the calls claim tiles from (codegen/gemm_ir.py)
+        main = L.Kernel(desc.name, (*main_params, L.Param("tile_counter", "int64", 2)), L.Block(), "t", lay.tiles)
         self.main = CompiledKernelBase(main, engine.get_function_address(desc.name))
         self.pack_b = (CompiledKernelBase(pack_b, engine.get_function_address(pack_b.name))
                        if pack_b is not None else None)
@@ -570,10 +610,16 @@ class CompiledGemm:
             a = self.packed_a(a)
         if self.desc.b_const:
             bsrc = self.packed_b(bsrc)
-        if self.inline or pool is None:
-            self.main([a, bsrc, *operands, *outputs])
-        else:
-            pool.run(self.main, [a, bsrc, *operands, *outputs])
+        arrays = [a, bsrc, *operands, *outputs, np.zeros(2, np.int64)]   # the tile counter
+        if self.inline or pool is None or self.layout.tiles == 1 or pool.num_threads == 1:
+            self.main(arrays)
+            return
+        # the pool's workers each make a helper call (lo = 1) when they wake up; this thread's
+        # call (lo = 0) takes tiles from the start and returns when all are finished, so
+        # nothing waits for a late worker, which finds the counter spent and returns
+        ptrs = self.main.pack_args(arrays)
+        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
+        self.main.cfunc(ptrs, 0, 1)
 
 
 def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):

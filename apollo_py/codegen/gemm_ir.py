@@ -83,6 +83,9 @@ def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
 
 
 def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epi: str) -> str:
+    """The main kernel ``@<d.name>(args, lo, hi)``: args are A, B, the epilogue operands, the
+    outputs and the tile counter (int64 ``[claimed, finished]``, zero before the call); each
+    call claims tiles ``(batch, column block, row group)`` until none are left."""
     n_extra = len(d.operands) + len(d.outputs)
     plain = plain_output(d)
     nkc, kcb = lay.nkc, lay.kcb
@@ -90,9 +93,12 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
     tile = bl.mr * bl.nr
     npb = lay.nc // bl.nr
-    bbytes = -(-(lay.nc * kcb * 4) // 64) * 64
+    # scratch only where it is used: a B packed once and an A read in place or packed once
+    # need none (a large unused block is still an mmap + munmap per call, and munmap stops
+    # every other thread of the process for a TLB shootdown)
+    bbytes = 64 if d.b_const else -(-(lay.nc * kcb * 4) // 64) * 64
     cbytes = lay.pan_per_group * npb * tile * 4
-    abytes = lay.pan_per_group * d.k * bl.mr * 4
+    abytes = 64 if lay.direct_a or d.a_const else lay.pan_per_group * d.k * bl.mr * 4
     per_t = lay.njc * lay.mg
     s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
          "  %asrc = load ptr, ptr %args",
@@ -120,9 +126,18 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     for q in range(n_extra):
         s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
               f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
-    s += ["  br label %tcond",
-          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
-          "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
+    # tiles are claimed from the shared counter (the last argument: [claimed, finished]) until
+    # all are taken, so a thread that starts late (a pool wake-up) or is preempted takes
+    # fewer: no chunk of tiles is bound to a thread, and no tile boundary goes back to Python.
+    # [lo, hi) only says whether this call takes part (an empty range does nothing) and, with
+    # lo == 0, that it is the caller's: it returns only when every tile is finished (a short
+    # spin on `finished`, then sched_yield), so the caller need not sleep on the helpers.
+    s += [f"  %ctg = getelementptr ptr, ptr %args, i64 {2 + n_extra}", "  %ctr = load ptr, ptr %ctg",
+          "  %ctr1 = getelementptr i64, ptr %ctr, i64 1",
+          "  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
+          "  br i1 %live, label %tcond, label %done",
+          "tcond:", "  %t = atomicrmw add ptr %ctr, i64 1 monotonic",
+          f"  %tc = icmp slt i64 %t, {lay.tiles}", "  br i1 %tc, label %tbody, label %done",
           "tbody:",
           f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
           f"  %jc = udiv i64 %rem, {lay.mg}", f"  %ig = urem i64 %rem, {lay.mg}",
@@ -194,8 +209,9 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
           "jlatch:", "  %jpn = add i64 %jp, 1", "  br label %jcond",
           "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
           "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
-          "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
-          "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)", "  ret void", "}"]
+          "tnext:", "  %fin0 = atomicrmw add ptr %ctr1, i64 1 release", "  br label %tcond",
+          "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)",
+          *_wait_all_ir(lay.tiles), "}"]
     head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {kcb}, NC {lay.nc}",
             index_table("gemm.atab", a_tab), index_table("gemm.btab", b_tab),
@@ -204,7 +220,8 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
             f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
-            f"declare void @{epi}(ptr, i64, i64)"]
+            f"declare void @{epi}(ptr, i64, i64)", "declare i32 @sched_yield()",
+            *(["declare void @llvm.x86.sse2.pause()"] if _x86() else [])]
     micro = _micro_ir(bl)
     if plain:
         micro += "\n" + (_micro_ir(bl, "gemm.micro_dc", d.k, 1, d.n) if lay.direct_a
@@ -214,6 +231,29 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
         if d.m % bl.mr:
             micro += "\n" + _micro_ir(replace(bl, mr=d.m % bl.mr), "gemm.micro_r", d.k, 1)
     return "\n".join(head) + "\n" + micro + "\n" + "\n".join(s)
+
+
+def _x86() -> bool:
+    from .llvm import host
+    return host().triple.split("-")[0] in ("x86_64", "i386", "i686")
+
+
+SPINS = 4000    # pause loops (~0.1-0.2 ms) before the waiting caller yields its core instead
+
+
+def _wait_all_ir(tiles: int) -> list:
+    """The end of a call: the caller's (``%waits``) spins until ``tiles`` tiles are finished
+    (the helpers' last tiles: at most one tile's time), yielding the core after ``SPINS``
+    rounds (a preempted helper on a loaded machine); a helper's returns at once."""
+    return ["  br i1 %waits, label %wait, label %fin",
+            "wait:", "  %spin = phi i64 [0, %done], [%spin1, %wpause], [0, %wyield]",
+            "  %nfin = load atomic i64, ptr %ctr1 acquire, align 8",
+            f"  %alld = icmp sge i64 %nfin, {tiles}", "  br i1 %alld, label %fin, label %wmore",
+            "wmore:", "  %spin1 = add i64 %spin, 1", f"  %many = icmp ugt i64 %spin1, {SPINS}",
+            "  br i1 %many, label %wyield, label %wpause",
+            "wpause:", *(["  call void @llvm.x86.sse2.pause()"] if _x86() else []), "  br label %wait",
+            "wyield:", "  %yr = call i32 @sched_yield()", "  br label %wait",
+            "fin:", "  ret void"]
 
 
 def plain_output(d: GemmDesc) -> bool:

@@ -16,11 +16,12 @@ The dispatch rule for float32 matmul (``Options.gemm == "auto"``, :func:`auto_bl
   zoo's linear layers (benchmarks/gemm_shapes.py, shared 2-core box) it measured within
   0.7-1.35x of onnxruntime's time, while OpenBLAS's two threads, which spin and yield on a
   loaded machine, took 3-30x onnxruntime's;
-* any other matmul (a right operand computed at run time: training, ``x @ xᵀ``) runs through
-  BLAS, where blas_fold.py folds transposes, bias rows and SGD updates into one sgemm.  The
-  generated GEMM would pack B on every call; on an idle machine it measured 0.85-0.93x of
-  sgemm's speed at 1024^3 and 0.35x on the BERT feed-forward products at two threads
-  (``benchmarks/bench_gemm.py``).
+* a right operand computed at run time (training, ``x @ xᵀ``) with at least ``RUNTIME_B_MNK``
+  multiply-adds runs on the generated GEMM (B packed per tile) where its micro-kernel's vectors
+  are wider than numpy's sgemm kernel's (:func:`generated_is_wider`: an AVX-512 host whose
+  OpenBLAS runs an AVX2 core, as ``OPENBLAS_CORETYPE=Haswell`` pins it on the dev box);
+* any other matmul runs through BLAS, where blas_fold.py folds transposes, bias rows and SGD
+  updates into one sgemm.
 
 :func:`fold_operand_transposes` (run by ``fold_blas``) then lets a generated matmul GEMM read a
 transpose that only it reads in place.
@@ -110,10 +111,30 @@ def auto_blas_reason(xs: tuple, ys: tuple, b_const: bool) -> str:
         return (f"small product ({mnk} multiply-adds < {SMALL_MNK}: OpenBLAS runs it on one thread, and a "
                 "generated GEMM would cost a compile for microseconds); Options(gemm='generated') forces it")
     if not b_const:
+        if mnk >= RUNTIME_B_MNK and generated_is_wider():
+            return ""
         return ("right operand not a constant, so the generated GEMM would pack it on every call: BLAS measured "
-                "faster then (one sgemm with transposes and updates folded; 1024^3 generated 0.85-0.93x); "
-                "Options(gemm='generated') forces it")
+                "faster then (one sgemm with transposes and updates folded) unless the BLAS runs narrower "
+                "vectors than the generated GEMM on a product of at least "
+                f"{RUNTIME_B_MNK} multiply-adds; Options(gemm='generated') forces it")
     return ""
+
+
+#: a right operand computed at run time goes to the generated GEMM (B packed per tile) from
+#: this many multiply-adds on, where that GEMM's vectors are wider than numpy's BLAS's: with
+#: OpenBLAS pinned to Haswell (AVX2) on the AVX-512 box, 2 threads, generated / sgemm time
+#: 0.86x at 128x768x768, 0.37x at 1024^3, but 1.16x at 256^3 and 1.27x at 64x512x256
+#: (docs/design/gemm.md, "Run-time right operands")
+RUNTIME_B_MNK = 1 << 25
+
+
+def generated_is_wider() -> bool:
+    """Whether the generated GEMM's micro-kernel uses wider vectors than numpy's sgemm kernel
+    (an AVX-512 host whose OpenBLAS runs an AVX2 core; an unknown BLAS counts as wide)."""
+    from ..codegen.blas_info import blas_vector_floats
+    from ..codegen.gemm import host_blocking
+    blas = blas_vector_floats()
+    return blas is not None and host_blocking().vl > blas
 
 
 def auto_choice(desc) -> str:
@@ -121,6 +142,9 @@ def auto_choice(desc) -> str:
     if desc.batch > 1:
         return (f"auto: batched right operand ({desc.batch} products; one kernel over batch x tiles, where "
                 "BLAS would need a numpy loop)")
+    if not desc.b_const:
+        return ("auto: right operand computed at run time, packed per tile: the generated GEMM's vectors are "
+                "wider than numpy's BLAS kernel's here")
     return ("auto: constant right operand, packed once; measured at or below onnxruntime's time on the zoo's "
             "linear layers while OpenBLAS's threads lose 3-30x on the shared 2-core box")
 

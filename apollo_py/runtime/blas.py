@@ -15,12 +15,11 @@ keeps matmul as a numpy step, which is always correct.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import threading
 
 import numpy as np
 
+from ..codegen.blas_info import candidate_libraries
 from ..errors import InputError
 from ..layers.blas_fold import BlasDesc
 
@@ -32,15 +31,6 @@ _FLAVOURS = (("scipy_cblas_{}64_", ctypes.c_int64), ("cblas_{}64_", ctypes.c_int
 
 _lock = threading.Lock()
 _loaded: dict = {}
-
-
-def _candidate_libraries() -> list[str]:
-    import numpy
-    root = os.path.dirname(numpy.__file__)
-    names = []
-    for pattern in ("../numpy.libs/*blas*", ".dylibs/*blas*", "../numpy.libs/*mkl_rt*"):
-        names += sorted(glob.glob(os.path.join(root, pattern)))
-    return names
 
 
 class Cblas:
@@ -73,7 +63,7 @@ def cblas() -> Cblas | None:
 
 
 def _find() -> Cblas | None:
-    for path in _candidate_libraries():
+    for path in candidate_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
@@ -82,6 +72,70 @@ def _find() -> Cblas | None:
             if hasattr(lib, fmt.format("sgemm")) and hasattr(lib, fmt.format("dgemm")):
                 return Cblas(lib, fmt, itype)
     return None
+
+
+_THREAD_FNS = ("scipy_openblas_{}64_", "openblas_{}64_", "scipy_openblas_{}", "openblas_{}")
+
+
+class OneBlasThread:
+    """A context that holds numpy's OpenBLAS at one thread while an executable with BLAS steps
+    runs (:class:`~apollo_py.runtime.cpu.CpuExecutable`), and restores the caller's count after.
+
+    OpenBLAS's worker threads spin (``sched_yield`` loops, ~0.1 s) after every call they took
+    part in, so beside apollo_py's own pool they take the cores its next kernels run on: a
+    model of a 256^3 BLAS product and a pool kernel ran in 82 ms (p10) per call with OpenBLAS
+    at its default 2 threads against 2.4 ms with 1 (shared box, load 22).  The BLAS products
+    apollo_py leaves to BLAS are the small ones (docs/design/gemm.md), for which one thread
+    costs little.  Nested and concurrent runs share one count (entered, restored by the
+    last to leave); another thread's own numpy calls run on one BLAS thread meanwhile.  Does
+    nothing where the library has no ``openblas_set_num_threads``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = 0
+        self._get = self._set = None
+        for path in candidate_libraries():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for fmt in _THREAD_FNS:
+                g, st = getattr(lib, fmt.format("get_num_threads"), None), getattr(lib, fmt.format("set_num_threads"), None)
+                if g is not None and st is not None:
+                    g.restype, g.argtypes = ctypes.c_int, []
+                    st.restype, st.argtypes = None, [ctypes.c_int]
+                    self._get, self._set = g, st
+                    return
+
+    @property
+    def available(self) -> bool:
+        return self._set is not None
+
+    def __enter__(self) -> "OneBlasThread":
+        if self._set is not None:
+            with self._lock:
+                if self._depth == 0:
+                    self._saved = self._get()
+                    if self._saved != 1:
+                        self._set(1)
+                self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._set is not None:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._saved != 1:
+                    self._set(self._saved)
+
+
+def one_blas_thread() -> OneBlasThread:
+    """The process's :class:`OneBlasThread` (made once)."""
+    with _lock:
+        if "one" not in _loaded:
+            _loaded["one"] = OneBlasThread()
+        return _loaded["one"]
 
 
 class BlasStep:

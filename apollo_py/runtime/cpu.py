@@ -9,6 +9,7 @@ call borrows its own arena.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -118,6 +119,11 @@ class CpuExecutable:
         self._program = None        # drive.Program, built on the first driven call
         self._driver_fn = None
         self._program_lock = threading.Lock()
+        # OpenBLAS held at one thread while a plan with BLAS steps runs (its spinning threads
+        # would take the pool's cores: runtime/blas.py, OneBlasThread)
+        from .blas import BlasStep, one_blas_thread
+        self._blas_threads = (one_blas_thread() if any(isinstance(s, BlasStep) for s in self.steps)
+                              else contextlib.nullcontext())
 
     def _dispatch_schedule(self) -> list:
         """Steps in order, consecutive independent kernel steps merged into one dispatch.
@@ -206,6 +212,10 @@ class CpuExecutable:
         caller) receives them in place: kernels write into it directly, other steps' results
         are copied in."""
         out = out or {}
+        with self._blas_threads:
+            return self._run(feeds, out)
+
+    def _run(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         arena = self._arenas.acquire()
         try:
             trace = getattr(self._trace, "value", None)     # self.trace, without the property call

@@ -57,6 +57,21 @@ class _Job:
                     self.done.set()
 
 
+class _Lent:
+    """One call lent to the workers (:meth:`ThreadPool.lend`)."""
+
+    __slots__ = ("cfunc", "ptrs", "lo", "hi", "keep")
+
+    def __init__(self, cfunc, ptrs, lo, hi, keep):
+        self.cfunc, self.ptrs, self.lo, self.hi, self.keep = cfunc, ptrs, lo, hi, keep
+
+    def work(self) -> None:
+        try:
+            self.cfunc(self.ptrs, self.lo, self.hi)
+        except BaseException:  # noqa: BLE001 - the caller's own call did the work
+            pass
+
+
 class ThreadPool:
     """Persistent worker threads that run kernel chunks.
 
@@ -147,6 +162,19 @@ class ThreadPool:
                 cfunc(ptrs, lo, hi)
             return
         self._dispatch(chunks)
+
+    def lend(self, cfunc, ptrs, lo: int, hi: int, keep=None) -> None:
+        """Hand the call ``cfunc(ptrs, lo, hi)`` to each worker without waiting for it: for a
+        kernel whose calls share their work through a counter of their own and whose
+        caller's call returns only when all of it is done (codegen/gemm_ir.py), so that a
+        worker that wakes late finds nothing left.  ``keep`` (the arrays behind ``ptrs``) is
+        held until every worker has made its call.  Errors of a lent call are dropped (the
+        kernels it is for cannot raise).  A closed pool lends nothing."""
+        if self._closed:
+            return
+        lent = _Lent(cfunc, ptrs, lo, hi, keep)
+        for _ in range(self.num_threads - 1):
+            self._queue.put(lent)
 
     def _dispatch(self, chunks) -> None:
         job = _Job(chunks)
