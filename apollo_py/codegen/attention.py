@@ -122,15 +122,25 @@ class AttnLayout:
     tiles: int
 
 
+#: a product of up to this many times ``qblocks`` query blocks is one tile
+SINGLE_GROUP = 3
+
+
 def attn_layout(d: AttentionDesc, threads: int) -> AttnLayout:
-    """Host micro-tile; ``d.qblocks`` blocks per tile, fewer while there are under ``2 *
-    threads`` tiles (a tile is at least one block)."""
+    """Host micro-tile; all of a product's query blocks in one tile when there are at most
+    ``SINGLE_GROUP * d.qblocks`` of them, else even groups of at most ``d.qblocks``; fewer
+    while there are under ``2 * threads`` tiles (a tile is at least one block)."""
     from apollo_py.codegen.gemm import host_blocking
     bl = host_blocking()
     bn = max(bl.nr, -(-d.bn // bl.nr) * bl.nr)
     bn = min(bn, -(-d.n // bl.nr) * bl.nr)
     nqb = -(-d.m // bl.mr)
-    qb = max(1, min(d.qblocks, nqb))
+    if nqb <= SINGLE_GROUP * d.qblocks:
+        # short rows (BERT's 128, ViT's 197 tokens): one tile per product, so each K / V block
+        # is packed once per head, not once per group (9-12% of the kernel's time on one thread)
+        qb = nqb
+    else:   # long rows: groups of at most qblocks blocks, as even as possible (no 1-block tail)
+        qb = -(-nqb // -(-nqb // max(1, d.qblocks)))
     while qb > 1 and d.batch * -(-nqb // qb) < 2 * max(1, threads):
         qb = -(-qb // 2)
     groups = -(-nqb // qb)
