@@ -181,6 +181,16 @@ def test_moved_operand_views():
     assert _batched_view(odd, (0, 1, 2, 3), src.size) is None
 
 
+@pytest.mark.parametrize("spelling", ["bert", "t5", "causal_where"])
+def test_full_key_blocks_read_operands_unclamped(spelling):
+    """Keys a multiple of the key block: the mask / bias / boolean operands are read by
+    contiguous loads without the column clamp (codegen/attention._upd)."""
+    model = SPELLINGS[spelling](1, 3, 9, 64, 16)
+    f, got, want = _run(model, _feeds(model, seed=5, masked_keys=range(1, 64, 5)))
+    assert len(_fused(f)) == 1, str(f.plan)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_long_rows_and_wide_heads():
     """Several key blocks and query groups per head; dv not a multiple of the micro-tile."""
     model = _t5(2, 3, 300, 257, 40)
