@@ -360,8 +360,11 @@ def _moved_index(src_shape: tuple, nodes: list, graph: Graph):
     x = np.arange(int(np.prod(src_shape, dtype=np.int64)), dtype=np.int64).reshape(src_shape)
     for n in nodes:
         shape = tuple(graph.types[n.outputs[0]].shape)
+        if int(np.prod(shape, dtype=np.int64)) > _MAX_VIEW_ELEMENTS:    # a broadcast's result
+            return None
         if n.op == "transpose":
-            x = np.transpose(x, tuple(int(p) for p in n.attrs["perm"]))
+            perm = n.attrs.get("perm")
+            x = np.transpose(x, tuple(int(p) for p in perm) if perm is not None else None)
         elif n.op == "reshape":
             if int(np.prod(shape, dtype=np.int64)) != x.size:
                 return None
