@@ -12,8 +12,10 @@ does.  Made by ``layers/attention.fold_attention`` from the three steps it repla
 The main kernel (LLVM IR text written here) is parallel over tiles ``(b, query group)``; a
 query group is ``qblocks`` blocks of ``MR`` rows.  Per tile:
 
-* ``pack_q`` (loop IR): the group's Q rows into ``[block][k][MR]`` panels (zero padded), and
-  the running row max ``m = -inf``, row sum ``l = 0`` and output accumulator ``O = 0``;
+* ``pack_q`` (loop IR): the running row max ``m = -inf``, row sum ``l = 0`` and output
+  accumulator ``O = 0``; the Q rows of a partial last block into a ``[k][MR]`` panel (zero
+  padded) -- full blocks are read in place by the micro-kernel (strided scalar broadcasts),
+  unless Q carries a folded scale, which ``compile_attention`` moves onto K;
 * for each block of ``bn`` keys: ``pack_k`` / ``pack_v`` (loop IR) pack that block of K^T
   (``[panel][k][NR]``) and V (``[d panel][key][NR]``) once for the whole group; per query
   block the ``MR x NR`` micro-kernel (``llvm.fma``, accumulators in registers) computes the
@@ -150,7 +152,8 @@ def attn_layout(d: AttentionDesc, threads: int) -> AttnLayout:
 
 # ------------------------------------------------------------------ loop-IR parts
 
-INFO = 8    # info[]: b, q matrix, k matrix, v matrix, first row i0, first key j0, keys in block, rows
+INFO = 9    # info[]: b, q matrix, k matrix, v matrix, first row i0, first key j0, keys in block, rows,
+#              Q's element offset of row i0 (the direct read of full query blocks)
 
 
 def _info(k: int) -> L.Expr:
@@ -178,6 +181,17 @@ def _v_addr(d: AttentionDesc, vi, j, c):
     return vi * (d.n * d.dv) + j * d.dv + c
 
 
+def q_strides(d: AttentionDesc):
+    """``(row stride, k stride)`` of Q when full query blocks are read in place by the
+    micro-kernel (no packing: its scalar broadcasts need no contiguous panel); None when Q is
+    scaled while packed (``compile_attention`` moves that scale to K first)."""
+    if d.q_scale != 1.0:
+        return None
+    if d.q_view is None:
+        return d.dk, 1
+    return d.q_view.strides[-2], d.q_view.strides[-1]
+
+
 def _pack_q(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     gr = lay.qb * lay.mr
     qp = L.Param("qp", "float32", lay.qb * d.dk * lay.mr)
@@ -189,12 +203,18 @@ def _pack_q(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     src = L.Load(q, _q_addr(d, _info(1), L.minimum(i, d.m - 1), k))
     if d.q_scale != 1.0:
         src = src * L.Const(d.q_scale, "float32")
+    pack = L.for_("k", 0, d.dk, L.Store(qp, ((r // lay.mr) * d.dk + k) * lay.mr + r % lay.mr,
+                                         L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32"))))
+    direct = q_strides(d) is not None
+    if direct:      # only a partial last block is packed; full blocks are read in place
+        pack = L.If(L.gt(_info(4) + (r // lay.mr + 1) * lay.mr, d.m), pack)
     body = L.block(
-        L.for_("k", 0, d.dk, L.Store(qp, ((r // lay.mr) * d.dk + k) * lay.mr + r % lay.mr,
-                                     L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32")))),
+        pack,
         L.for_("c", 0, lay.dp, L.Store(ob, r * lay.dp + c, L.Const(0.0, "float32")), "vector"),
         L.Store(ml, r, L.Const(NEG_INF, "float32")),
         L.Store(ml, r + gr, L.Const(0.0, "float32")))
+    if direct:      # where row i0 of the tile's Q matrix starts (the main kernel adds block offsets)
+        body = L.block(body, L.If(L.eq(r, 0), L.Store(_INFO_P, L.Const(8), _q_addr(d, _info(1), _info(4), L.Const(0)))))
     return L.Kernel(f"{d.name}_pack_q", (qp, q, ob, ml, _INFO_P), L.for_("r", 0, gr, body, "parallel"), "r", gr)
 
 
@@ -435,15 +455,29 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
           f"  call void @{names['pack_k']}(ptr %ak, i64 0, i64 {npk}) #2",
           f"  call void @{names['pack_v']}(ptr %av, i64 0, i64 {bn}) #2",
           "  br label %qcond",
-          "qcond:", "  %qi = phi i64 [0, %kbody], [%qi1, %qbody]",
+          "qcond:", f"  %qi = phi i64 [0, %kbody], [%qi1, %{'qkdone' if q_strides(d) is not None else 'qbody'}]",
           "  %qc = icmp slt i64 %qi, %nbl", "  br i1 %qc, label %qbody, label %qdone",
           "qbody:",
           f"  %qo = mul i64 %qi, {dk * mr}", "  %qpp = getelementptr float, ptr %qp, i64 %qo",
           f"  %so = mul i64 %qi, {mr * bn}", "  %sbp = getelementptr float, ptr %sb, i64 %so"]
+    qs = q_strides(d)
+    if qs is not None:      # a full block reads Q in place, a partial one its packed panel
+        s += [f"  %qend = mul i64 %qi, {mr}", f"  %qend1 = add i64 %qend, %i0", f"  %qend2 = add i64 %qend1, {mr}",
+              f"  %qfull = icmp sle i64 %qend2, {d.m}",
+              "  %qbase = load i64, ptr %in8", f"  %qoff0 = mul i64 %qend, {qs[0]}",
+              "  %qoff = add i64 %qbase, %qoff0", "  %qdp = getelementptr float, ptr %q, i64 %qoff",
+              "  br i1 %qfull, label %qkdirect, label %qkpacked", "qkdirect:"]
+        for p in range(npk):
+            s += [f"  %kppd{p} = getelementptr float, ptr %kp, i64 {p * dk * nr}",
+                  f"  %sbqd{p} = getelementptr float, ptr %sbp, i64 {p * nr}",
+                  f"  call void @attn.qkd(ptr %qdp, ptr %kppd{p}, ptr %sbqd{p}, i64 {dk}, i1 true)"]
+        s += ["  br label %qkdone", "qkpacked:"]
     for p in range(npk):
         s += [f"  %kpp{p} = getelementptr float, ptr %kp, i64 {p * dk * nr}",
               f"  %sbq{p} = getelementptr float, ptr %sbp, i64 {p * nr}",
               f"  call void @attn.qk(ptr %qpp, ptr %kpp{p}, ptr %sbq{p}, i64 {dk}, i1 true)"]
+    if qs is not None:
+        s += ["  br label %qkdone", "qkdone:"]
     # per query block: its scores, softmax step and P V back to back (its S and P stay in L1)
     s += ["  %qi1 = add i64 %qi, 1",
           "  call void @" + names["upd"] + "(ptr %au, i64 %qi, i64 %qi1) #2",
@@ -472,6 +506,8 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
             f"<{lay.vl} x float>)",
             *(f"declare void @{k}(ptr, i64, i64)" for k in names.values())]
     micro = [_micro_ir("attn.qk", lay, mr, 1, bn), _micro_ir("attn.pv", lay, 1, bn, dp)]
+    if q_strides(d) is not None:
+        micro.append(_micro_ir("attn.qkd", lay, q_strides(d)[1], q_strides(d)[0], bn))
     return "\n".join(head) + "\n" + "\n".join(micro) + "\n" + "\n".join(s)
 
 
@@ -539,6 +575,9 @@ def compile_attention(d: AttentionDesc, threads: int, cache_dir: str | None = No
         raise CompileError(f"{d.name}: fused attention needs positive sizes, got batch {d.batch}, "
                            f"{d.m} queries, {d.n} keys, head dims {d.dk}/{d.dv}")
     named, d = d, canonical(d)
+    if d.q_scale != 1.0:
+        # (q a) . (k b) as q . (k (a b)): Q is then read in place (the product differs in rounding only)
+        d = replace(d, k_scale=float(np.float32(d.k_scale) * np.float32(d.q_scale)), q_scale=1.0)
     lay = attn_layout(d, threads)
 
     def build():
