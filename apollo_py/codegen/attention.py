@@ -208,9 +208,9 @@ def _pack_q(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     direct = q_strides(d) is not None
     if direct:      # only a partial last block is packed; full blocks are read in place
         pack = L.If(L.gt(_info(4) + (r // lay.mr + 1) * lay.mr, d.m), pack)
+    # (O needs no zeroing: the first key block's P V is stored, not added)
     body = L.block(
         pack,
-        L.for_("c", 0, lay.dp, L.Store(ob, r * lay.dp + c, L.Const(0.0, "float32")), "vector"),
         L.Store(ml, r, L.Const(NEG_INF, "float32")),
         L.Store(ml, r + gr, L.Const(0.0, "float32")))
     if direct:      # where row i0 of the tile's Q matrix starts (the main kernel adds block offsets)
@@ -336,7 +336,8 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
         *([] if plain else [L.for_("rr", 0, mr, L.for_("j", 0, bn, L.block(*stmts), "vector"))]),
         L.for_("rr", 0, mr, max_row),
         L.for_("rr", 0, mr, exp_row),
-        L.for_("rr", 0, mr, scale))
+        # the first key block: O is still 0 (P V is stored, not added): no rescale
+        L.If(L.gt(_info(5), 0), L.for_("rr", 0, mr, scale)))
     nblk = lay.qb
     return L.Kernel(f"{d.name}_upd", (sb, pb, ob, ml, _INFO_P, *ops), L.for_("blk", 0, nblk, body, "parallel"),
                     "blk", nblk)
@@ -449,7 +450,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
           "kcond:", "  %kb = phi i64 [0, %tbody], [%kb1, %knext]",
           f"  %kc = icmp slt i64 %kb, {nkb}", "  br i1 %kc, label %kbody, label %kdone",
           "kbody:",
-          f"  %j0 = mul i64 %kb, {bn}", "  store i64 %j0, ptr %in5",
+          f"  %j0 = mul i64 %kb, {bn}", "  store i64 %j0, ptr %in5", "  %kfirst = icmp eq i64 %kb, 0",
           f"  %jl = sub i64 {d.n}, %j0", f"  %cols = call i64 @llvm.smin.i64(i64 %jl, i64 {bn})",
           "  store i64 %cols, ptr %in6",
           f"  call void @{names['pack_k']}(ptr %ak, i64 0, i64 {npk}) #2",
@@ -486,7 +487,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
     for p in range(npv):
         s += [f"  %vpp{p} = getelementptr float, ptr %vp, i64 {p * bn * nr}",
               f"  %obq{p} = getelementptr float, ptr %obp, i64 {p * nr}",
-              f"  call void @attn.pv(ptr %pbp, ptr %vpp{p}, ptr %obq{p}, i64 {bn}, i1 false)"]
+              f"  call void @attn.pv(ptr %pbp, ptr %vpp{p}, ptr %obq{p}, i64 {bn}, i1 %kfirst)"]
     s += ["  br label %qcond", "qdone:", "  br label %knext",
           "knext:", "  %kb1 = add i64 %kb, 1", "  br label %kcond",
           "kdone:",
