@@ -12,8 +12,10 @@ does.  Made by ``layers/attention.fold_attention`` from the three steps it repla
 The main kernel (LLVM IR text written here) is parallel over tiles ``(b, query group)``; a
 query group is ``qblocks`` blocks of ``MR`` rows.  Per tile:
 
-* ``pack_q`` (loop IR): the group's Q rows into ``[block][k][MR]`` panels (zero padded), and
-  the running row max ``m = -inf``, row sum ``l = 0`` and output accumulator ``O = 0``;
+* ``pack_q`` (loop IR): the running row max ``m = -inf``, row sum ``l = 0`` and output
+  accumulator ``O = 0``; the Q rows of a partial last block into a ``[k][MR]`` panel (zero
+  padded) -- full blocks are read in place by the micro-kernel (strided scalar broadcasts),
+  unless Q carries a folded scale, which ``compile_attention`` moves onto K;
 * for each block of ``bn`` keys: ``pack_k`` / ``pack_v`` (loop IR) pack that block of K^T
   (``[panel][k][NR]``) and V (``[d panel][key][NR]``) once for the whole group; per query
   block the ``MR x NR`` micro-kernel (``llvm.fma``, accumulators in registers) computes the
@@ -122,15 +124,25 @@ class AttnLayout:
     tiles: int
 
 
+#: a product of up to this many times ``qblocks`` query blocks is one tile
+SINGLE_GROUP = 3
+
+
 def attn_layout(d: AttentionDesc, threads: int) -> AttnLayout:
-    """Host micro-tile; ``d.qblocks`` blocks per tile, fewer while there are under ``2 *
-    threads`` tiles (a tile is at least one block)."""
+    """Host micro-tile; all of a product's query blocks in one tile when there are at most
+    ``SINGLE_GROUP * d.qblocks`` of them, else even groups of at most ``d.qblocks``; fewer
+    while there are under ``2 * threads`` tiles (a tile is at least one block)."""
     from apollo_py.codegen.gemm import host_blocking
     bl = host_blocking()
     bn = max(bl.nr, -(-d.bn // bl.nr) * bl.nr)
     bn = min(bn, -(-d.n // bl.nr) * bl.nr)
     nqb = -(-d.m // bl.mr)
-    qb = max(1, min(d.qblocks, nqb))
+    if nqb <= SINGLE_GROUP * d.qblocks:
+        # short rows (BERT's 128, ViT's 197 tokens): one tile per product, so each K / V block
+        # is packed once per head, not once per group (9-12% of the kernel's time on one thread)
+        qb = nqb
+    else:   # long rows: groups of at most qblocks blocks, as even as possible (no 1-block tail)
+        qb = -(-nqb // -(-nqb // max(1, d.qblocks)))
     while qb > 1 and d.batch * -(-nqb // qb) < 2 * max(1, threads):
         qb = -(-qb // 2)
     groups = -(-nqb // qb)
@@ -140,7 +152,8 @@ def attn_layout(d: AttentionDesc, threads: int) -> AttnLayout:
 
 # ------------------------------------------------------------------ loop-IR parts
 
-INFO = 8    # info[]: b, q matrix, k matrix, v matrix, first row i0, first key j0, keys in block, rows
+INFO = 9    # info[]: b, q matrix, k matrix, v matrix, first row i0, first key j0, keys in block, rows,
+#              Q's element offset of row i0 (the direct read of full query blocks)
 
 
 def _info(k: int) -> L.Expr:
@@ -168,6 +181,17 @@ def _v_addr(d: AttentionDesc, vi, j, c):
     return vi * (d.n * d.dv) + j * d.dv + c
 
 
+def q_strides(d: AttentionDesc):
+    """``(row stride, k stride)`` of Q when full query blocks are read in place by the
+    micro-kernel (no packing: its scalar broadcasts need no contiguous panel); None when Q is
+    scaled while packed (``compile_attention`` moves that scale to K first)."""
+    if d.q_scale != 1.0:
+        return None
+    if d.q_view is None:
+        return d.dk, 1
+    return d.q_view.strides[-2], d.q_view.strides[-1]
+
+
 def _pack_q(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     gr = lay.qb * lay.mr
     qp = L.Param("qp", "float32", lay.qb * d.dk * lay.mr)
@@ -179,12 +203,18 @@ def _pack_q(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     src = L.Load(q, _q_addr(d, _info(1), L.minimum(i, d.m - 1), k))
     if d.q_scale != 1.0:
         src = src * L.Const(d.q_scale, "float32")
+    pack = L.for_("k", 0, d.dk, L.Store(qp, ((r // lay.mr) * d.dk + k) * lay.mr + r % lay.mr,
+                                         L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32"))))
+    direct = q_strides(d) is not None
+    if direct:      # only a partial last block is packed; full blocks are read in place
+        pack = L.If(L.gt(_info(4) + (r // lay.mr + 1) * lay.mr, d.m), pack)
+    # (O needs no zeroing: the first key block's P V is stored, not added)
     body = L.block(
-        L.for_("k", 0, d.dk, L.Store(qp, ((r // lay.mr) * d.dk + k) * lay.mr + r % lay.mr,
-                                     L.Select(L.lt(i, d.m), src, L.Const(0.0, "float32")))),
-        L.for_("c", 0, lay.dp, L.Store(ob, r * lay.dp + c, L.Const(0.0, "float32")), "vector"),
+        pack,
         L.Store(ml, r, L.Const(NEG_INF, "float32")),
         L.Store(ml, r + gr, L.Const(0.0, "float32")))
+    if direct:      # where row i0 of the tile's Q matrix starts (the main kernel adds block offsets)
+        body = L.block(body, L.If(L.eq(r, 0), L.Store(_INFO_P, L.Const(8), _q_addr(d, _info(1), _info(4), L.Const(0)))))
     return L.Kernel(f"{d.name}_pack_q", (qp, q, ob, ml, _INFO_P), L.for_("r", 0, gr, body, "parallel"), "r", gr)
 
 
@@ -252,7 +282,9 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     ninf, zero = L.Const(NEG_INF, f32), L.Const(0.0, f32)
     # rows past the end (the last block's padding) read row m - 1's operands: in bounds
     row = _info(0) * d.m + L.minimum(_info(4) + r, d.m - 1)
-    col = L.minimum(_info(5) + j, d.n - 1)
+    # every key block full: the operand columns need no clamp, so their loads are contiguous
+    # vector loads (with the clamp LLVM gathers them: 13% of T5's 128 x 128 attention)
+    col = _info(5) + j if d.n % bn == 0 else L.minimum(_info(5) + j, d.n - 1)
     stmts = [L.Local("v_head", f32, L.Load(sb, r * bn + j))]
     env: dict = {d.head: L.Var("v_head", f32)}
     for q, o in enumerate(d.operands):
@@ -304,7 +336,8 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
         *([] if plain else [L.for_("rr", 0, mr, L.for_("j", 0, bn, L.block(*stmts), "vector"))]),
         L.for_("rr", 0, mr, max_row),
         L.for_("rr", 0, mr, exp_row),
-        L.for_("rr", 0, mr, scale))
+        # the first key block: O is still 0 (P V is stored, not added): no rescale
+        L.If(L.gt(_info(5), 0), L.for_("rr", 0, mr, scale)))
     nblk = lay.qb
     return L.Kernel(f"{d.name}_upd", (sb, pb, ob, ml, _INFO_P, *ops), L.for_("blk", 0, nblk, body, "parallel"),
                     "blk", nblk)
@@ -417,21 +450,35 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
           "kcond:", "  %kb = phi i64 [0, %tbody], [%kb1, %knext]",
           f"  %kc = icmp slt i64 %kb, {nkb}", "  br i1 %kc, label %kbody, label %kdone",
           "kbody:",
-          f"  %j0 = mul i64 %kb, {bn}", "  store i64 %j0, ptr %in5",
+          f"  %j0 = mul i64 %kb, {bn}", "  store i64 %j0, ptr %in5", "  %kfirst = icmp eq i64 %kb, 0",
           f"  %jl = sub i64 {d.n}, %j0", f"  %cols = call i64 @llvm.smin.i64(i64 %jl, i64 {bn})",
           "  store i64 %cols, ptr %in6",
           f"  call void @{names['pack_k']}(ptr %ak, i64 0, i64 {npk}) #2",
           f"  call void @{names['pack_v']}(ptr %av, i64 0, i64 {bn}) #2",
           "  br label %qcond",
-          "qcond:", "  %qi = phi i64 [0, %kbody], [%qi1, %qbody]",
+          "qcond:", f"  %qi = phi i64 [0, %kbody], [%qi1, %{'qkdone' if q_strides(d) is not None else 'qbody'}]",
           "  %qc = icmp slt i64 %qi, %nbl", "  br i1 %qc, label %qbody, label %qdone",
           "qbody:",
           f"  %qo = mul i64 %qi, {dk * mr}", "  %qpp = getelementptr float, ptr %qp, i64 %qo",
           f"  %so = mul i64 %qi, {mr * bn}", "  %sbp = getelementptr float, ptr %sb, i64 %so"]
+    qs = q_strides(d)
+    if qs is not None:      # a full block reads Q in place, a partial one its packed panel
+        s += [f"  %qend = mul i64 %qi, {mr}", f"  %qend1 = add i64 %qend, %i0", f"  %qend2 = add i64 %qend1, {mr}",
+              f"  %qfull = icmp sle i64 %qend2, {d.m}",
+              "  %qbase = load i64, ptr %in8", f"  %qoff0 = mul i64 %qend, {qs[0]}",
+              "  %qoff = add i64 %qbase, %qoff0", "  %qdp = getelementptr float, ptr %q, i64 %qoff",
+              "  br i1 %qfull, label %qkdirect, label %qkpacked", "qkdirect:"]
+        for p in range(npk):
+            s += [f"  %kppd{p} = getelementptr float, ptr %kp, i64 {p * dk * nr}",
+                  f"  %sbqd{p} = getelementptr float, ptr %sbp, i64 {p * nr}",
+                  f"  call void @attn.qkd(ptr %qdp, ptr %kppd{p}, ptr %sbqd{p}, i64 {dk}, i1 true)"]
+        s += ["  br label %qkdone", "qkpacked:"]
     for p in range(npk):
         s += [f"  %kpp{p} = getelementptr float, ptr %kp, i64 {p * dk * nr}",
               f"  %sbq{p} = getelementptr float, ptr %sbp, i64 {p * nr}",
               f"  call void @attn.qk(ptr %qpp, ptr %kpp{p}, ptr %sbq{p}, i64 {dk}, i1 true)"]
+    if qs is not None:
+        s += ["  br label %qkdone", "qkdone:"]
     # per query block: its scores, softmax step and P V back to back (its S and P stay in L1)
     s += ["  %qi1 = add i64 %qi, 1",
           "  call void @" + names["upd"] + "(ptr %au, i64 %qi, i64 %qi1) #2",
@@ -440,7 +487,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
     for p in range(npv):
         s += [f"  %vpp{p} = getelementptr float, ptr %vp, i64 {p * bn * nr}",
               f"  %obq{p} = getelementptr float, ptr %obp, i64 {p * nr}",
-              f"  call void @attn.pv(ptr %pbp, ptr %vpp{p}, ptr %obq{p}, i64 {bn}, i1 false)"]
+              f"  call void @attn.pv(ptr %pbp, ptr %vpp{p}, ptr %obq{p}, i64 {bn}, i1 %kfirst)"]
     s += ["  br label %qcond", "qdone:", "  br label %knext",
           "knext:", "  %kb1 = add i64 %kb, 1", "  br label %kcond",
           "kdone:",
@@ -460,6 +507,8 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
             f"<{lay.vl} x float>)",
             *(f"declare void @{k}(ptr, i64, i64)" for k in names.values())]
     micro = [_micro_ir("attn.qk", lay, mr, 1, bn), _micro_ir("attn.pv", lay, 1, bn, dp)]
+    if q_strides(d) is not None:
+        micro.append(_micro_ir("attn.qkd", lay, q_strides(d)[1], q_strides(d)[0], bn))
     return "\n".join(head) + "\n" + "\n".join(micro) + "\n" + "\n".join(s)
 
 
@@ -527,6 +576,9 @@ def compile_attention(d: AttentionDesc, threads: int, cache_dir: str | None = No
         raise CompileError(f"{d.name}: fused attention needs positive sizes, got batch {d.batch}, "
                            f"{d.m} queries, {d.n} keys, head dims {d.dk}/{d.dv}")
     named, d = d, canonical(d)
+    if d.q_scale != 1.0:
+        # (q a) . (k b) as q . (k (a b)): Q is then read in place (the product differs in rounding only)
+        d = replace(d, k_scale=float(np.float32(d.k_scale) * np.float32(d.q_scale)), q_scale=1.0)
     lay = attn_layout(d, threads)
 
     def build():

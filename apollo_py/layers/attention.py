@@ -236,7 +236,8 @@ def fold_attention(specs: list, graph: Graph, options) -> list:
         for v in ins:
             readers.setdefault(v, set()).add(k)
         gone |= {i, *js}
-    return fold_attention_prologues([s for q, s in enumerate(specs) if q not in gone], graph)
+    specs = fold_attention_prologues([s for q, s in enumerate(specs) if q not in gone], graph)
+    return fold_attention_views(specs, graph)
 
 
 def _scaled_view(spec, graph: Graph):
@@ -324,6 +325,153 @@ def fold_attention_prologues(specs: list, graph: Graph) -> list:
             f"{side.upper()} by {getattr(d2, side + '_scale'):.6g} while packing" for side in ("q", "k")
             if side + "_value" in changed)
         mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in dropped))))
+        specs[k] = StepSpec(ins, spec.outputs, nodes=(*extra, *spec.nodes), reason=why, micro_graphs=mgs, gemm=d2)
+        for v in ins:
+            readers.setdefault(v, set()).add(k)
+        gone.update(dropped)
+    return [s for q, s in enumerate(specs) if q not in gone]
+
+
+#: ops that only move elements (the exporters' head split / merge, GQA's ``repeat_kv``)
+_MOVES = ("reshape", "transpose", "broadcast_to", "stop_gradient")
+#: index maps are worked out on an int64 array of the source's size: bigger sources keep their steps
+_MAX_VIEW_ELEMENTS = 1 << 24
+
+
+def _moves_of(spec):
+    """The nodes of step ``spec`` when it only moves the elements of its one input (reshape,
+    transpose, broadcast, identity; numpy step or copy kernel), in order; else None."""
+    if spec.gemm is not None or spec.blas is not None or len(spec.outputs) != 1:
+        return None
+    nodes = [n for n in _nodes(spec) if n.op != "constant"]
+    if not nodes or len(spec.inputs) != 1:
+        return None
+    cur = spec.inputs[0]
+    for n in nodes:
+        if n.op not in _MOVES or len(n.inputs) != 1 or n.inputs[0] != cur or len(n.outputs) != 1:
+            return None
+        cur = n.outputs[0]
+    return nodes if cur == spec.outputs[0] else None
+
+
+def _moved_index(src_shape: tuple, nodes: list, graph: Graph):
+    """For each element of the last node's result, its C-order index in the source (an int64
+    array of the result's shape), or None when a node's shape disagrees."""
+    x = np.arange(int(np.prod(src_shape, dtype=np.int64)), dtype=np.int64).reshape(src_shape)
+    for n in nodes:
+        shape = tuple(graph.types[n.outputs[0]].shape)
+        if int(np.prod(shape, dtype=np.int64)) > _MAX_VIEW_ELEMENTS:    # a broadcast's result
+            return None
+        if n.op == "transpose":
+            perm = n.attrs.get("perm")
+            x = np.transpose(x, tuple(int(p) for p in perm) if perm is not None else None)
+        elif n.op == "reshape":
+            if int(np.prod(shape, dtype=np.int64)) != x.size:
+                return None
+            x = x.reshape(shape)
+        elif n.op == "broadcast_to":
+            try:
+                x = np.broadcast_to(x, shape)
+            except ValueError:
+                return None
+        if x.shape != shape:
+            return None
+    return x
+
+
+def _batched_view(idx: np.ndarray, index: tuple, size: int):
+    """``(OperandView, new index table)`` reading the ``[batch, rows, cols]`` matrices of
+    ``idx`` (source positions) straight from the source: every matrix must be one strided
+    block, and their offsets ``0, s, 2 s, ...`` (in any order, repeats allowed: GQA's repeated
+    heads become index-table entries).  None when the positions are not of that form."""
+    from ..codegen.gemm_views import OperandView
+    nb, rows, cols = idx.shape
+    sr = int(idx[0, 1, 0] - idx[0, 0, 0]) if rows > 1 else 0
+    sc = int(idx[0, 0, 1] - idx[0, 0, 0]) if cols > 1 else 0
+    offs = idx[:, 0, 0]
+    if sr < 0 or sc < 0:
+        return None
+    want = offs[:, None, None] + np.arange(rows)[None, :, None] * sr + np.arange(cols)[None, None, :] * sc
+    if not np.array_equal(idx, want):
+        return None
+    uniq = np.unique(offs)
+    step = int(uniq[1] - uniq[0]) if len(uniq) > 1 else 0
+    if uniq[0] != 0 or (len(uniq) > 1 and not np.array_equal(uniq, np.arange(len(uniq)) * step)):
+        return None
+    mat = offs // step if step else np.zeros_like(offs)
+    view = OperandView((len(uniq), rows, cols), (step, sr, sc), size)
+    return view, tuple(int(mat[b]) for b in index)
+
+
+def fold_attention_views(specs: list, graph: Graph) -> list:
+    """``specs`` with the steps that only move a fused attention's Q, K^T or V into place --
+    the exporters' head split ``reshape -> transpose`` (copies where the transposed value is
+    reshaped again, as the dynamo export's ``K^T``), GQA's ``repeat_kv`` (``broadcast_to`` of
+    the key / value heads) -- folded into the attention: it reads their source through a
+    strided view and an index table (repeated heads read the same matrix) instead.  A chain is
+    folded only where its values are read by nothing else and the composed map is a strided
+    view; anything else keeps its steps."""
+    from .steps import StepSpec
+    specs = list(specs)
+    producer = {v: i for i, s in enumerate(specs) for v in s.outputs}
+    readers: dict = {}
+    for q, s in enumerate(specs):
+        for v in s.inputs:
+            readers.setdefault(v, set()).add(q)
+    gone: set = set()
+    from ..codegen.attention import AttentionDesc
+    for k, spec in enumerate(specs):
+        d = spec.gemm
+        if not isinstance(d, AttentionDesc):
+            continue
+        changed, dropped = {}, []
+        for side in ("q", "k", "v"):
+            v = getattr(d, side + "_value")
+            others = [getattr(d, o + "_value") for o in ("q", "k", "v") if o != side]
+            if v in others or v in (o.value for o in d.operands):
+                continue
+            chain, nodes, cur, reader = [], [], v, k
+            while True:
+                j = producer.get(cur)
+                if (j is None or j in gone or j in dropped or cur in graph.outputs
+                        or readers.get(cur) != {reader}):
+                    break
+                moved = _moves_of(specs[j])
+                if moved is None:
+                    break
+                chain.append(j)
+                nodes = moved + nodes
+                cur, reader = specs[j].inputs[0], j
+            if not chain:
+                continue
+            src_shape = tuple(graph.types[cur].shape)
+            if (graph.types[cur].dtype != "float32" or not src_shape
+                    or int(np.prod(src_shape, dtype=np.int64)) > _MAX_VIEW_ELEMENTS):
+                continue
+            idx = _moved_index(src_shape, nodes, graph)
+            if idx is None:
+                continue
+            old = getattr(d, side + "_view")
+            if old is not None:     # the attention already reads the moved value through a view
+                addr = sum(np.arange(n).reshape([-1 if q == a else 1 for q in range(len(old.shape))]) * st
+                           for a, (n, st) in enumerate(zip(old.shape, old.strides)))
+                idx = idx.reshape(-1)[addr]
+            rows, cols = idx.shape[-2:]
+            got = _batched_view(idx.reshape(-1, rows, cols), getattr(d, side + "_index"),
+                                int(np.prod(src_shape, dtype=np.int64)))
+            if got is None:
+                continue
+            view, index = got
+            changed.update({side + "_value": cur, side + "_view": view, side + "_index": index,
+                            side + "_size": view.size})
+            dropped.extend(chain)
+        if not changed:
+            continue
+        d2 = replace(d, **changed)
+        ins = tuple(dict.fromkeys([d2.q_value, d2.k_value, d2.v_value, *(o.value for o in d2.operands)]))
+        extra = tuple(n for j in sorted(dropped) for n in _nodes(specs[j]))
+        mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in dropped))))
+        why = spec.reason + f"; reads Q/K/V through views ({len(dropped)} moving steps folded)"
         specs[k] = StepSpec(ins, spec.outputs, nodes=(*extra, *spec.nodes), reason=why, micro_graphs=mgs, gemm=d2)
         for v in ins:
             readers.setdefault(v, set()).add(k)

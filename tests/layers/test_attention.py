@@ -93,7 +93,28 @@ def _gqa(b, h, m, n, d):
     return _model(nodes, ins, ["y"], inits)
 
 
-SPELLINGS = {"bert": _bert, "bert_scaled_heads": _bert_scaled_heads, "t5": _t5, "causal_where": _causal_where, "causal_add": _causal_add, "gqa": _gqa}
+def _dynamo_heads(b, h, m, n, d):
+    """HF BERT as the dynamo exporter writes it: projections [B, S, H*d] split into heads by
+    Reshape / Transpose, K^T as reshape [B*H, S, d] -> transpose -> reshape [B, H, d, S]
+    (copies before the views were folded), Q and K^T scaled by d^-1/4, + mask."""
+    c = [numpy_helper.from_array(np.array(v, np.int64), nm) for nm, v in
+         (("sq", [b, m, h, d]), ("sk", [b, n, h, d]), ("f3", [b * h, n, d]), ("f4", [b, h, d, n]))]
+    nodes = [N_("Reshape", ["q2", "sq"], ["q1"]), N_("Transpose", ["q1"], ["q0"], perm=[0, 2, 1, 3]),
+             N_("Mul", ["q0", "c"], ["q"]),
+             N_("Reshape", ["k2", "sk"], ["k1"]), N_("Transpose", ["k1"], ["k0"], perm=[0, 2, 1, 3]),
+             N_("Reshape", ["k0", "f3"], ["k3"]), N_("Transpose", ["k3"], ["k4"], perm=[0, 2, 1]),
+             N_("Reshape", ["k4", "f4"], ["k5"]), N_("Mul", ["k5", "c"], ["kt"]),
+             N_("Reshape", ["v2", "sk"], ["v1"]), N_("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
+             N_("MatMul", ["q", "kt"], ["s0"]), N_("Add", ["s0", "mask"], ["s"]),
+             N_("Softmax", ["s"], ["p"], axis=-1), N_("MatMul", ["p", "v"], ["c0"]),
+             N_("Transpose", ["c0"], ["y"], perm=[0, 2, 1, 3])]
+    ins = [("q2", [b, m, h * d], None), ("k2", [b, n, h * d], None), ("v2", [b, n, h * d], None),
+           ("mask", [b, 1, 1, n], None)]
+    return _model(nodes, ins, ["y"], [numpy_helper.from_array(np.array([d ** -0.25], np.float32), "c"), *c])
+
+
+SPELLINGS = {"bert": _bert, "bert_scaled_heads": _bert_scaled_heads, "t5": _t5, "causal_where": _causal_where,
+             "causal_add": _causal_add, "gqa": _gqa, "dynamo_heads": _dynamo_heads}
 
 
 def _feeds(model, seed=0, masked_keys=()):
@@ -120,8 +141,15 @@ def _fused(f):
     return [k for k in f.plan.kernels if k.reason.startswith("fused attention")]
 
 
-@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
-@pytest.mark.parametrize("m,n", [(7, 7), (129, 129), (1, 7)])
+# (9, 64): one partial query block, every key block full (mask / bias operands read without
+# the column clamp); (129, 129): several query and key blocks, the last ones partial; (1, 7):
+# one query row (a decode step) and one partial key block, for a few spellings only (each case
+# is a compile: the file's run time)
+CASES = ([(s, 9, 64) for s in sorted(SPELLINGS)] + [(s, 129, 129) for s in sorted(SPELLINGS)]
+         + [(s, 1, 7) for s in ("bert", "causal_add", "gqa")])
+
+
+@pytest.mark.parametrize("spelling,m,n", CASES)
 def test_spelling_is_one_kernel_and_matches_onnxruntime(spelling, m, n):
     b, h, d = 1, 4, 16
     model = SPELLINGS[spelling](b, h, m, n, d)
@@ -132,12 +160,32 @@ def test_spelling_is_one_kernel_and_matches_onnxruntime(spelling, m, n):
     # scores, softmax and P @ V are one step: no softmax kernel and no batched GEMM left
     assert not any(k.fused is not None and any(nd.op == "exp" for nd in k.fused.nodes) for k in f.plan.kernels)
     assert not any(k.gemm is not None and k not in fused for k in f.plan.kernels), str(f.plan)
-    if spelling.startswith("bert"):     # head transposes (and scales) read in place, result stored transposed
+    if spelling.startswith("bert") or spelling == "dynamo_heads":
+        # head transposes (and scales) read in place, result stored transposed
         assert "stores its result transposed (0, 2, 1, 3)" in fused[0].reason
         assert len(f.plan.kernels) == 1, str(f.plan)
+    if spelling in ("gqa", "dynamo_heads"):
+        # repeat_kv's broadcast and the head split / K^T copies are index maps of the attention
+        assert len(f.plan.kernels) == 1, str(f.plan)
+        assert "moving steps folded" in fused[0].reason, fused[0].reason
     if spelling == "bert_scaled_heads":
         assert "scales Q by" in fused[0].reason and "K by" in fused[0].reason, fused[0].reason
     assert "define" in fused[0].source("llvm")
+
+
+def test_moved_operand_views():
+    """The composed index map of a moving chain becomes a strided view and an index table
+    (GQA's repeated heads read one matrix), and a map that is not strided is refused."""
+    from apollo_py.layers.attention import _batched_view
+    src = np.arange(2 * 5 * 3).reshape(1, 5, 2, 3)                    # [B, S, Hkv, d]
+    heads = np.repeat(np.transpose(src, (0, 2, 1, 3)), 2, axis=1)      # repeat_kv: [B, 4, S, d]
+    view, index = _batched_view(heads.reshape(4, 5, 3), (0, 1, 2, 3), src.size)
+    assert index == (0, 0, 1, 1) and view.shape == (2, 5, 3) and view.strides == (3, 6, 1)
+    assert _batched_view(heads.reshape(4, 5, 3), (3, 2, 1, 0), src.size)[1] == (1, 1, 0, 0)
+    swapped = np.ascontiguousarray(heads[:, :, ::-1]).reshape(4, 5, 3)  # keys reversed: no strides
+    assert _batched_view(swapped, (0, 1, 2, 3), src.size) is None
+    odd = heads.reshape(4, 5, 3) + np.array([0, 0, 1, 5])[:, None, None] * 7   # offsets 0, 10, 38: not 0, s, 2 s
+    assert _batched_view(odd, (0, 1, 2, 3), src.size) is None
 
 
 def test_long_rows_and_wide_heads():
