@@ -115,10 +115,12 @@ def build_program(exe, inline) -> Program:
     ``inline(step)`` says whether a schedule entry's single step is a kernel that runs on the
     calling thread."""
     from .blas import BlasStep
+    from .gemm_step import GemmStep
     root = exe._root
     slots = exe.memory.slots
     graph = exe.graph
     index: dict = {}
+    packed: dict = {}       # constant GEMM operands packed once, by a key that is no graph value
 
     def idx(v):
         i = index.get(v)
@@ -169,6 +171,15 @@ def build_program(exe, inline) -> Program:
             vals = [root.get(v, v) for v in (d.a, d.b, d.out) + ((d.acc,) if d.acc is not None else ())]
             cur["words"] += words
             cur["extra"] += 1 if d.acc is not None else 0
+        elif kind == "step" and isinstance(item, GemmStep) \
+                and (call := item.driver_call(exe.constants, graph.types)) is not None:
+            s = item        # a generated GEMM or direct conv small enough for the calling thread
+            start(k)
+            address, extent, args, more = call
+            packed.update(more)
+            cur["words"] += [0, address, 0, extent, len(args), *(idx(root.get(v, v)) for v in args)]
+            cur["maxargs"] = max(cur["maxargs"], len(args))
+            vals = [root.get(v, v) for v in args if v not in more]
         elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
             start(k)       # a reshape: a view made before the segment runs
             cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))
@@ -184,7 +195,9 @@ def build_program(exe, inline) -> Program:
         for v in vals:
             cur["touched"][v] = None
     flush()
-    return Program(entries, segments, index, {v: exe.constants[v] for v in index if v in exe.constants})
+    consts = {v: exe.constants[v] for v in index if v in exe.constants}
+    consts.update(packed)
+    return Program(entries, segments, index, consts)
 
 
 def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out, arena, offset) -> None:
