@@ -105,6 +105,25 @@ class GemmStep:
             return None
         return kernel.address, kernel.parallel_extent or 0, tuple(args), packed
 
+    def work(self) -> int:
+        """The larger of the step's flops and the bytes its kernel moves at least."""
+        from ..codegen.conv_direct import DirectConvDesc, moved_bytes
+        d = self.compiled.desc
+        flops = 2 * d.batch * d.m * d.n * d.k
+        if isinstance(d, DirectConvDesc):
+            return max(flops, moved_bytes(d))
+        return max(flops, 4 * d.batch * (d.m * d.n + d.n * d.k))
+
+    def min_chunk(self) -> int:
+        """Fewest iterations of the kernel's parallel loop worth one chunk (a matrix-vector
+        conv's rows are a few hundred multiply-adds: ``MATVEC_CHUNK_MACS`` a chunk)."""
+        from ..codegen.conv_direct import MATVEC_CHUNK_MACS, DirectConvDesc, is_matvec
+        d = self.compiled.desc
+        if isinstance(d, DirectConvDesc) and is_matvec(d.conv):
+            work = d.conv.c // d.conv.group + (2 * d.excite.hw if d.excite is not None else 0)
+            return -(-MATVEC_CHUNK_MACS // work)
+        return 1
+
     def execute(self, env: dict, pool) -> None:
         d = self.compiled.desc
         # the head's operands by name (inputs are deduplicated: x @ x has one)
