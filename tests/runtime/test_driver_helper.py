@@ -81,6 +81,7 @@ def test_helper_that_joins_first_and_one_that_comes_late(monkeypatch):
         return tables.sync_address
 
     monkeypatch.setattr(drive, "_start_helper", eager)
+    monkeypatch.setattr(drive, "HELPER", True)
     _rebuild(exe)
     for _ in range(5):
         np.testing.assert_array_equal(f(x=x), want)
@@ -97,11 +98,13 @@ def test_helper_that_joins_first_and_one_that_comes_late(monkeypatch):
     assert not late.is_alive() and sync[6] == 2
 
 
-def test_concurrent_calls_share_one_worker():
+def test_concurrent_calls_share_one_worker(monkeypatch):
     """Two Python threads call the model at once: each call has its own arena and shared state;
     the pool's one worker helps whichever call it reaches first."""
     m, x, f = _model("14x14_relu")
     want = f(x=x).copy()
+    monkeypatch.setattr(drive, "HELPER", True)
+    _rebuild(f.specialization({"x": x.shape}))
     errors = []
 
     def loop():
