@@ -42,6 +42,10 @@ SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (el
 #: rows and 3.9x at 64 channels 112x112 stride 2 (phase-split copy), against 0.45-0.9x at 28-7
 FLAT_MAX_OW = 32
 MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
+#: a direct conv moving fewer bytes (input, weight, outputs, excitation) runs on the calling
+#: thread: a pool dispatch costs ~35 us before any work (machine.py), and these kernels run near
+#: the memory roof on one core
+INLINE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,15 @@ def interior(g: ConvGeom) -> tuple[int, int]:
         hi = min(hi, -(-(g.w - off) // sw))             # ow*sw + off < W
     lo = min(lo, g.ow)
     return lo, max(lo, hi)
+
+
+def moved_bytes(d: "DirectConvDesc") -> int:
+    """Bytes a direct conv reads and writes at least: input, weight, each stored output (and
+    the excitation's operand and product), float32."""
+    g = d.conv
+    out = g.n * d.cout * g.oh * g.ow * max(1, len(d.outputs))
+    ex = 2 * g.n * d.cout * d.excite.hw if d.excite is not None else 0
+    return 4 * (g.n * g.c * g.h * g.w + d.cout * taps(g) + out + ex)
 
 
 def is_matvec(g: ConvGeom) -> bool:
@@ -444,9 +457,13 @@ class CompiledDirectConv:
         self.desc = desc
         self.kernel = compiled
         self.ir = getattr(compiled, "ir", "")
+        self.inline = moved_bytes(desc) < INLINE_BYTES
 
     def run(self, pool, w: np.ndarray, x: np.ndarray, operands, outputs) -> None:
         g = self.desc.conv
+        if self.inline or pool is None:
+            self.kernel([w, x, *operands, *outputs])
+            return
         # a matrix-vector product runs on the calling thread up to MATVEC_CHUNK_MACS per chunk:
         # the squeeze-excitation products (10-60K multiply-adds, a few microseconds) cost more
         # to hand to the pool's threads than to compute

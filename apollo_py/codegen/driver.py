@@ -8,7 +8,7 @@ tensors.  The driver instead gets a *program* (an int64 array, built once per pl
 arena slots and constants) and performs every call itself::
 
     void apollo_drive(int64 *prog, int64 nsteps, void **vals, int64 maxargs,
-                      int64 *objs, int64 nobjs, int64 data_offset)
+                      int64 *objs, int64 nobjs, int64 data_offset, int64 *sync)
 
 ``objs`` holds ``nobjs`` pairs ``(value index, PyObject *)`` of the buffers that change per call
 (graph inputs, fresh outputs, numpy steps' results): the driver reads each array's data pointer
@@ -19,6 +19,9 @@ only stores ``id(array)`` instead of paying ~0.9 us for ``array.ctypes.data``.
 Program steps, each a run of int64 words:
 
 * kernel: ``0, fn, lo, hi, nargs, idx_0 .. idx_{nargs-1}``: ``fn(&vals[idx_k]..., lo, hi)``;
+* parallel kernel: ``6, fn, chunk, hi, nargs, idx_0 ..``: ``fn(args, lo, hi)`` over ``[0, hi)`` in
+  chunks of ``chunk`` iterations shared with a helper thread through ``sync`` (see
+  :func:`helper_ir`; ``sync`` null: one call over the whole range);
 * copy: ``5, dst, src, nbytes``: ``memmove(vals[dst], vals[src], nbytes)`` (a BLAS update's
   accumulator copied into its output first);
 * gemm: ``kind, fn, trans_a, trans_b, m, n, k, alpha, beta, a, lda, b, ldb, c, ldc`` with
@@ -27,6 +30,15 @@ Program steps, each a run of int64 words:
 
 The function is the same for every plan, so it is compiled once per process (no per-plan
 compile time, nothing to cache on disk) and a step costs a few nanoseconds.
+
+**Helper thread.**  A segment with parallel steps is run with ``sync``, ``SYNC_WORDS`` int64 of
+shared state, and one thread-pool worker is asked to run ``apollo_help(sync)``: it joins unless
+the call is already over, then claims chunks of whatever parallel step the caller has
+published, until the caller says the call is over.  The caller never waits for a helper that
+has not joined (it claims every chunk itself), only for chunks a helper has claimed and, at the
+end, for a joined helper to leave -- so a worker that wakes late costs nothing, where a thread
+pool dispatch from Python costs ~35 us per step (machine.py).  Spin-waits call ``sched_yield``
+after 64 spins.
 """
 from __future__ import annotations
 
@@ -35,13 +47,192 @@ import threading
 
 from ..errors import CompileError
 
-KERNEL, SGEMM64, DGEMM64, SGEMM32, DGEMM32, COPY = 0, 1, 2, 3, 4, 5
+KERNEL, SGEMM64, DGEMM64, SGEMM32, DGEMM32, COPY, PARALLEL = 0, 1, 2, 3, 4, 5, 6
+
+#: words of the shared state of a call with a helper thread (see ``helper_ir``)
+SYNC_WORDS = 10
+#: low 32 bits of the claim word once a parallel step is closed: no index is below it
+CLOSED = 0x7FFFFFFF
 
 #: words of a gemm step
 GEMM_WORDS = 15
 
 DRIVE_CFUNCTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+HELP_CFUNCTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+
+def _wait(name: str, cond: list, ok: str, sync: str = "%sync") -> list[str]:
+    """IR of a spin-wait: block ``{name}.pre`` (branch there) loops until the i1 ``%{name}.c``
+    that the lines ``cond`` compute holds, then branches to ``ok``.  After 64 spins it calls
+    ``sched_yield`` (its address is word 9 of ``sync``) on every spin, so that on a busy machine
+    a waiter gives its core to the thread it waits for."""
+    return [
+        f"{name}.pre:",
+        f"  br label %{name}",
+        f"{name}:",
+        f"  %{name}.n = phi i64 [0, %{name}.pre], [%{name}.n1, %{name}.spin], [%{name}.n1, %{name}.yield]",
+        *cond,
+        f"  br i1 %{name}.c, label %{ok}, label %{name}.spin",
+        f"{name}.spin:",
+        f"  %{name}.n1 = add i64 %{name}.n, 1",
+        f"  %{name}.many = icmp ugt i64 %{name}.n, 64",
+        f"  br i1 %{name}.many, label %{name}.yield, label %{name}",
+        f"{name}.yield:",
+        f"  %{name}.py = getelementptr i64, ptr {sync}, i64 9",
+        f"  %{name}.yw = load i64, ptr %{name}.py",
+        f"  %{name}.yf = inttoptr i64 %{name}.yw to ptr",
+        f"  %{name}.yr = call i32 %{name}.yf()",
+        f"  br label %{name}",
+    ]
+
+
+def _sync_word(name: str, k: int, sync: str = "%sync") -> str:
+    return f"  %{name} = getelementptr i64, ptr {sync}, i64 {k}"
+
+
+def _parallel_block() -> list[str]:
+    """IR of a parallel kernel step ``6, fn, chunk, hi, nargs, idx...`` run by the caller with a
+    helper thread that may join (``helper_ir``): the caller publishes the step in the shared
+    state (``%sync``; null: no helper, the caller runs ``fn(args, 0, hi)``), claims chunks of
+    ``chunk`` iterations with atomic adds on the claim word ``seq << 32 | next`` like the helper
+    does, waits until every claimed chunk is done, then closes the word."""
+    words = [f"  %pw.o{k} = add i64 %pc, {k}" for k in range(1, 5)]
+    for k, name in enumerate(("fnw", "chunk", "hi", "nargs"), start=1):
+        words += [f"  %pw.p{k} = getelementptr i64, ptr %prog, i64 %pw.o{k}",
+                  f"  %p.{name} = load i64, ptr %pw.p{k}"]
+    return [
+        "par:",
+        *words,
+        "  %p.argbase = add i64 %pc, 5",
+        "  br label %pargloop",
+        "pargloop:",
+        "  %pi = phi i64 [0, %par], [%pinext, %pargbody]",
+        "  %pmore = icmp slt i64 %pi, %p.nargs",
+        "  br i1 %pmore, label %pargbody, label %pready",
+        "pargbody:",
+        "  %ppq0 = add i64 %p.argbase, %pi",
+        "  %ppq = getelementptr i64, ptr %prog, i64 %ppq0",
+        "  %ppidx = load i64, ptr %ppq",
+        "  %ppv = getelementptr ptr, ptr %vals, i64 %ppidx",
+        "  %ppval = load ptr, ptr %ppv",
+        "  %pps = getelementptr ptr, ptr %scratch, i64 %pi",
+        "  store ptr %ppval, ptr %pps",
+        "  %pinext = add i64 %pi, 1",
+        "  br label %pargloop",
+        "pready:",
+        "  %p.fn = inttoptr i64 %p.fnw to ptr",
+        "  %p.nosync = icmp eq ptr %sync, null",
+        "  br i1 %p.nosync, label %psolo, label %ppub",
+        "psolo:",
+        "  call void %p.fn(ptr %scratch, i64 0, i64 %p.hi)",
+        "  br label %pend",
+        "ppub:",
+        "  %seq0 = load i64, ptr %seqp",
+        "  %seq = add i64 %seq0, 1",
+        "  store i64 %seq, ptr %seqp",
+        _sync_word("s1", 1), _sync_word("s2", 2), _sync_word("s3", 3), _sync_word("s4", 4),
+        _sync_word("s5", 5),
+        "  store i64 %p.fnw, ptr %s1",
+        "  %p.args = ptrtoint ptr %scratch to i64",
+        "  store i64 %p.args, ptr %s2",
+        "  store i64 %p.hi, ptr %s3",
+        "  store i64 %p.chunk, ptr %s4",
+        "  store atomic i64 0, ptr %s5 monotonic, align 8",
+        "  %p.word = shl i64 %seq, 32",
+        "  store atomic i64 %p.word, ptr %sync release, align 8",      # published
+        "  br label %pclaim",
+        "pclaim:",
+        "  %p.old = atomicrmw add ptr %sync, i64 %p.chunk seq_cst",
+        "  %p.idx = and i64 %p.old, 4294967295",
+        "  %p.has = icmp slt i64 %p.idx, %p.hi",
+        "  br i1 %p.has, label %prun, label %pwait.pre",
+        "prun:",
+        "  %p.e0 = add i64 %p.idx, %p.chunk",
+        "  %p.elt = icmp slt i64 %p.e0, %p.hi",
+        "  %p.e = select i1 %p.elt, i64 %p.e0, i64 %p.hi",
+        "  call void %p.fn(ptr %scratch, i64 %p.idx, i64 %p.e)",
+        "  %p.cnt = sub i64 %p.e, %p.idx",
+        "  %p.dd = atomicrmw add ptr %s5, i64 %p.cnt seq_cst",
+        "  br label %pclaim",
+        *_wait("pwait", ["  %pwait.d = load atomic i64, ptr %s5 acquire, align 8",
+                         "  %pwait.c = icmp sge i64 %pwait.d, %p.hi"], "pclose"),
+        "pclose:",
+        f"  %p.closed = or i64 %p.word, {CLOSED}",
+        "  store atomic i64 %p.closed, ptr %sync seq_cst, align 8",
+        "  fence seq_cst",       # the next step's parameters are written after the close
+        "  br label %pend",
+        "pend:",
+        "  %pkpc = add i64 %p.argbase, %p.nargs",
+        "  br label %next",
+    ]
+
+
+def helper_ir() -> str:
+    """LLVM IR of ``apollo_help(sync, lo, hi)`` (the thread pool's kernel ABI; ``lo``, ``hi``
+    unused): a helper thread of one driver call.  It joins (word 6: 0 -> 1) unless the call
+    already finished (the caller set it to 2), then claims chunks of the published parallel
+    step (words 1-4: fn, args, hi, chunk) with compare-and-swap on the claim word 0 (so a
+    claim of a step that the caller closed or replaced fails), adds the iterations it ran to
+    word 5, and leaves when the caller sets word 7 (saying so in word 8).  Sync words:
+    0 claim, 1 fn, 2 args, 3 hi, 4 chunk, 5 done, 6 joined, 7 finish, 8 left, 9 sched_yield."""
+    return "\n".join([
+        "define void @apollo_help(ptr %sync, i64 %lo, i64 %hi) {",
+        "entry:",
+        _sync_word("j", 6), _sync_word("f", 7), _sync_word("l", 8), _sync_word("s1", 1),
+        _sync_word("s2", 2), _sync_word("s3", 3), _sync_word("s4", 4), _sync_word("s5", 5),
+        "  %jr = cmpxchg ptr %j, i64 0, i64 1 seq_cst seq_cst",
+        "  %jok = extractvalue { i64, i1 } %jr, 1",
+        "  br i1 %jok, label %loop, label %ret",
+        "loop:",
+        "  %n = phi i64 [0, %entry], [0, %run], [%n, %try], [%n1, %idle], [%n1, %yield]",
+        "  %fin = load atomic i64, ptr %f acquire, align 8",
+        "  %isfin = icmp ne i64 %fin, 0",
+        "  br i1 %isfin, label %leave, label %look",
+        "look:",
+        "  %w = load atomic i64, ptr %sync acquire, align 8",
+        "  %seq = lshr i64 %w, 32",
+        "  %idx = and i64 %w, 4294967295",
+        "  %h = load i64, ptr %s3",
+        "  %ch = load i64, ptr %s4",
+        "  %fnw = load i64, ptr %s1",
+        "  %aw = load i64, ptr %s2",
+        "  %pub = icmp ne i64 %seq, 0",
+        "  %lt = icmp slt i64 %idx, %h",
+        "  %has = and i1 %pub, %lt",
+        "  br i1 %has, label %try, label %idle",
+        "try:",
+        "  %wn = add i64 %w, %ch",
+        "  %cr = cmpxchg ptr %sync, i64 %w, i64 %wn seq_cst seq_cst",
+        "  %cok = extractvalue { i64, i1 } %cr, 1",
+        "  br i1 %cok, label %run, label %loop",
+        "run:",
+        "  %e0 = add i64 %idx, %ch",
+        "  %elt = icmp slt i64 %e0, %h",
+        "  %e = select i1 %elt, i64 %e0, i64 %h",
+        "  %fn = inttoptr i64 %fnw to ptr",
+        "  %args = inttoptr i64 %aw to ptr",
+        "  call void %fn(ptr %args, i64 %idx, i64 %e)",
+        "  %cnt = sub i64 %e, %idx",
+        "  %dd = atomicrmw add ptr %s5, i64 %cnt seq_cst",
+        "  br label %loop",
+        "idle:",
+        "  %n1 = add i64 %n, 1",
+        "  %many = icmp ugt i64 %n, 64",
+        "  br i1 %many, label %yield, label %loop",
+        "yield:",
+        _sync_word("py", 9),
+        "  %yw = load i64, ptr %py",
+        "  %yf = inttoptr i64 %yw to ptr",
+        "  %yr = call i32 %yf()",
+        "  br label %loop",
+        "leave:",
+        "  store atomic i64 1, ptr %l release, align 8",
+        "  ret void",
+        "ret:",
+        "  ret void",
+        "}",
+    ]) + "\n"
 
 
 def _gemm_block(kind: int, fty: str, ity: str) -> list[str]:
@@ -87,9 +278,11 @@ def driver_ir() -> str:
             (DGEMM32, "double", "i32")]
     lines = [
         "define void @apollo_drive(ptr %prog, i64 %nsteps, ptr %vals, i64 %maxargs, ptr %objs, "
-        "i64 %nobjs, i64 %off) {",
+        "i64 %nobjs, i64 %off, ptr %sync) {",
         "entry:",
         "  %scratch = alloca ptr, i64 %maxargs",
+        "  %seqp = alloca i64",
+        "  store i64 0, ptr %seqp",
         "  br label %objloop",
         # per-call buffers: vals[idx] = ((PyArrayObject *) obj)->data
         "objloop:",
@@ -119,7 +312,7 @@ def driver_ir() -> str:
         "  %pkind = getelementptr i64, ptr %prog, i64 %pc",
         "  %kind = load i64, ptr %pkind",
         "  switch i64 %kind, label %kernel [" + " ".join(f"i64 {k}, label %g{k}" for k, _, _ in gemm)
-        + f" i64 {COPY}, label %copy]",
+        + f" i64 {COPY}, label %copy i64 {PARALLEL}, label %par]",
         "copy:",
         *(line for k, name in enumerate(("dst", "src", "len")) for line in (
             f"  %c.o{name} = add i64 %pc, {k + 1}",
@@ -169,13 +362,27 @@ def driver_ir() -> str:
     ]
     for kind, fty, ity in gemm:
         lines += _gemm_block(kind, fty, ity)
+    lines += _parallel_block()
     lines += [
         "next:",
-        "  %pcnext = phi i64 [%kpc, %call], [%c.next, %copy], "
+        "  %pcnext = phi i64 [%kpc, %call], [%c.next, %copy], [%pkpc, %pend], "
         + ", ".join(f"[%g{k}.next, %g{k}]" for k, _, _ in gemm),
         "  %snext = add i64 %s, 1",
         "  br label %step",
+        # a helper thread (helper_ir) that joined is told to leave and waited for; one that
+        # has not joined yet finds word 6 closed and returns at once
         "exit:",
+        "  %x.nosync = icmp eq ptr %sync, null",
+        "  br i1 %x.nosync, label %ret, label %xfin",
+        "xfin:",
+        _sync_word("xf", 7), _sync_word("xj", 6), _sync_word("xl", 8),
+        "  store atomic i64 1, ptr %xf seq_cst, align 8",
+        "  %xr = cmpxchg ptr %xj, i64 0, i64 2 seq_cst seq_cst",
+        "  %xok = extractvalue { i64, i1 } %xr, 1",
+        "  br i1 %xok, label %ret, label %xwait.pre",
+        *_wait("xwait", ["  %xwait.v = load atomic i64, ptr %xl acquire, align 8",
+                         "  %xwait.c = icmp ne i64 %xwait.v, 0"], "ret"),
+        "ret:",
         "  ret void",
         "}",
         "declare void @llvm.memmove.p0.p0.i64(ptr, ptr, i64, i1)",
@@ -197,7 +404,7 @@ def drive_function():
             h = host()
             with _compile_lock:
                 try:
-                    mod = h.llvm.parse_assembly(driver_ir())
+                    mod = h.llvm.parse_assembly(driver_ir() + helper_ir())
                     mod.verify()
                 except RuntimeError as exc:
                     raise CompileError(f"driver: invalid LLVM IR: {exc}") from exc
@@ -207,7 +414,11 @@ def drive_function():
             address = engine.get_function_address("apollo_drive")
             if not address:
                 raise CompileError("driver: apollo_drive has no address")
+            helper = engine.get_function_address("apollo_help")
+            if not helper:
+                raise CompileError("driver: apollo_help has no address")
             _state["engine"] = engine       # owns the code
+            _state["help"] = HELP_CFUNCTYPE(helper)
             fn = _state["fn"] = DRIVE_CFUNCTYPE(address)
         return fn
 
@@ -227,3 +438,21 @@ def data_offset() -> int | None:
                     found = off
             _state["offset"] = found
         return _state["offset"]
+
+
+def help_function():
+    """The compiled ``apollo_help`` (``helper_ir``) as a ctypes function, the pool's kernel ABI."""
+    drive_function()
+    return _state["help"]
+
+
+def sched_yield_address() -> int:
+    """Address of libc's ``sched_yield`` (word 9 of a helper call's shared state), 0 if none: the
+    spin-waits then never yield (they only spin)."""
+    with _lock:
+        if "yield" not in _state:
+            try:
+                _state["yield"] = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value or 0
+            except (OSError, AttributeError):
+                _state["yield"] = 0
+        return _state["yield"]

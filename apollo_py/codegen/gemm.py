@@ -58,6 +58,10 @@ DIRECT_MR8_K = 768  # see blocking_for
 SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
 TILES_PER_THREAD = 8  # on several threads, split until there are this many tiles per thread ...
 TILE_FLOPS = 1 << 20  # ... or tiles of this many flops (~4 us), whichever gives fewer tiles
+#: the same for an implicit-GEMM conv: MobileNetV3's 1x1 convs at 14x14 and 7x7 (4.5-15 MFLOP)
+#: took 75-110 us on the pool on the quiet box and 45-110 us on one thread; 2 threads pay off
+#: from ~16 MFLOP (30 MFLOP: 136 us on the pool, 197 on one thread)
+SMALL_CONV_FLOPS = 2 * 200 ** 3
 
 
 @dataclass(frozen=True)
@@ -562,7 +566,8 @@ class CompiledGemm:
                        if pack_a is not None else None)
         self._packed_a: tuple = (None, None)
         # one thread below this many flops: a pool wake-up costs more than the second core gives
-        self.inline = 2 * desc.batch * desc.m * desc.n * desc.k < SMALL_FLOPS
+        self.inline = 2 * desc.batch * desc.m * desc.n * desc.k < (SMALL_FLOPS if desc.conv is None
+                                                                   else SMALL_CONV_FLOPS)
         self._packed: tuple = (None, None)
 
     def packed_b(self, bsrc: np.ndarray) -> np.ndarray:

@@ -23,6 +23,17 @@ import numpy as np
 from ..errors import InputError
 
 
+#: GEMM / direct-conv steps that run on the calling thread (``CompiledGemm.inline``) share their
+#: chunks with one helper thread (a pool worker running ``codegen.driver``'s ``apollo_help``)
+#: that joins the segment's call: the second core for steps too small for a pool dispatch.
+#: Off by default until measured on a quiet machine (``benchmarks/helper_ab.py``): on the shared
+#: 2-core box at load 16-17 MobileNetV3 took 1.03x and EfficientNet-B0 1.04-1.11x the time
+#: without it (no free core there; a caller waits for chunks of a descheduled helper)
+HELPER = False
+#: ... when they do at least this many flops or move this many bytes (GemmStep.work)
+HELPER_MIN_WORK = 1 << 20
+
+
 @dataclass
 class Segment:
     """One native call: ``prog`` (int64 words, see codegen/driver.py) of ``nsteps`` program
@@ -42,6 +53,7 @@ class Segment:
     dynamic: tuple
     steps: tuple
     first: int
+    parallel: bool = False      # has parallel steps: run with a helper thread (codegen/driver.py)
 
     @property
     def address(self) -> int:
@@ -62,6 +74,11 @@ class DriverTables:
             if a is not None:
                 self.values[i] = a.ctypes.data
         self.values_address = ctypes.addressof(self.values)
+        # shared state of a call and its helper thread (codegen/driver.py, helper_ir); a helper
+        # job that the pool runs late holds this array (its chunk), so it never outlives it
+        from ..codegen.driver import SYNC_WORDS
+        self.sync = (ctypes.c_int64 * SYNC_WORDS)()
+        self.sync_address = ctypes.addressof(self.sync)
         self.objs = []
         for seg in program.segments:
             arr = (ctypes.c_int64 * max(1, 2 * len(seg.dynamic)))()
@@ -114,11 +131,17 @@ def build_program(exe, inline) -> Program:
     """Split ``exe``'s schedule (a CpuExecutable) into driver segments and Python entries;
     ``inline(step)`` says whether a schedule entry's single step is a kernel that runs on the
     calling thread."""
+    from ..codegen import driver as D
     from .blas import BlasStep
+    from .gemm_step import GemmStep
     root = exe._root
+    pool = getattr(exe, "_pool", None)
+    # a helper thread needs a pool worker to run it and sched_yield for the spin-waits
+    threads = pool.num_threads if HELPER and pool is not None and D.sched_yield_address() else 1
     slots = exe.memory.slots
     graph = exe.graph
     index: dict = {}
+    packed: dict = {}       # constant GEMM operands packed once, by a key that is no graph value
 
     def idx(v):
         i = index.get(v)
@@ -142,7 +165,7 @@ def build_program(exe, inline) -> Program:
             prog = (ctypes.c_int64 * len(words))(*words)
             segments.append(Segment(prog, len(cur["steps"]) + cur["extra"], max(1, cur["maxargs"]),
                                     tuple(cur["fresh"]), tuple(cur["views"]), tuple(dyn),
-                                    tuple(cur["steps"]), cur["first"]))
+                                    tuple(cur["steps"]), cur["first"], cur.get("parallel", False)))
             entries.append(("drive", len(segments) - 1))
         elif cur.get("views"):      # reshapes with no kernel after them: run as usual
             entries.extend(cur["pending"])
@@ -164,11 +187,33 @@ def build_program(exe, inline) -> Program:
         elif kind == "step" and isinstance(item, BlasStep) and item._lib is not None \
                 and (words := _blas_words(item, idx, root, graph.types)) is not None:
             s = item
+            if cur.get("parallel"):
+                flush()     # OpenBLAS's threads and a spinning helper would share the cores
             start(k)
+            cur["blas"] = True
             d = s.desc
             vals = [root.get(v, v) for v in (d.a, d.b, d.out) + ((d.acc,) if d.acc is not None else ())]
             cur["words"] += words
             cur["extra"] += 1 if d.acc is not None else 0
+        elif kind == "step" and isinstance(item, GemmStep) \
+                and (call := item.driver_call(exe.constants, graph.types)) is not None:
+            s = item        # a generated GEMM or direct conv
+            address, extent, args, more = call
+            par = threads > 1 and extent > 1 and item.work() >= HELPER_MIN_WORK
+            if par and cur.get("blas"):
+                flush()
+            start(k)
+            packed.update(more)
+            ids = [idx(root.get(v, v)) for v in args]
+            if par:
+                # run with the call's helper thread: chunks of about a quarter of a thread's share
+                chunk = max(item.min_chunk(), -(-extent // (4 * threads)))
+                cur["words"] += [D.PARALLEL, address, chunk, extent, len(args), *ids]
+                cur["parallel"] = True
+            else:
+                cur["words"] += [0, address, 0, extent, len(args), *ids]
+            cur["maxargs"] = max(cur["maxargs"], len(args))
+            vals = [root.get(v, v) for v in args if v not in more]
         elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
             start(k)       # a reshape: a view made before the segment runs
             cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))
@@ -184,7 +229,9 @@ def build_program(exe, inline) -> Program:
         for v in vals:
             cur["touched"][v] = None
     flush()
-    return Program(entries, segments, index, {v: exe.constants[v] for v in index if v in exe.constants})
+    consts = {v: exe.constants[v] for v in index if v in exe.constants}
+    consts.update(packed)
+    return Program(entries, segments, index, consts)
 
 
 def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out, arena, offset) -> None:
@@ -208,8 +255,30 @@ def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out,
             values[i] = a.ctypes.data
         else:
             objs[2 * j + 1] = id(a)
+    sync = None
+    if seg.parallel:
+        sync = _start_helper(exe._pool, tables)
     exe._driver_fn(seg.address, seg.nsteps, tables.values_address, seg.maxargs, objs_address,
-                   len(seg.dynamic) if offset is not None else 0, offset or 0)
+                   len(seg.dynamic) if offset is not None else 0, offset or 0, sync)
+
+
+def _start_helper(pool, tables: DriverTables):
+    """Reset the call's shared state and queue one helper (``apollo_help``) on ``pool``; returns
+    the state's address for the driver, or None (no worker: the caller runs every chunk)."""
+    from ..codegen.driver import SYNC_WORDS, help_function, sched_yield_address
+    from .threadpool import _Job
+    if pool is None or pool.num_threads < 2 or pool._closed:
+        return None
+    sync = tables.sync
+    # word 6 (joined) last: a helper of an earlier call that comes late can join this call only
+    # once the rest is reset (it would otherwise see the old finish flag, leave, and have its
+    # "left" flag wiped, and the call would wait for it forever)
+    ctypes.memset(tables.sync_address, 0, 8 * 6)
+    sync[7] = sync[8] = 0
+    sync[SYNC_WORDS - 1] = sched_yield_address()
+    sync[6] = 0
+    pool._queue.put(_Job([(help_function(), sync, 0, 0)]))
+    return tables.sync_address
 
 
 def _checked(a, v: str, dt, n: int) -> np.ndarray:

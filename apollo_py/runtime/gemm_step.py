@@ -72,6 +72,64 @@ class GemmStep:
         else:
             self.compiled._packed = (src, packed)
 
+    def head_names(self) -> tuple:
+        """``(A value, B value)`` as the compiled kernel takes them (a conv: weight, input)."""
+        d = self.compiled.desc
+        a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
+        return (b_name, a_name) if d.conv is not None else (a_name, b_name)
+
+    def driver_call(self, constants: dict, types: dict):
+        """What the native driver (runtime/drive.py) needs to run this step as one kernel call
+        on the calling thread: ``(address, extent, args, packed)`` where ``args`` names the
+        kernel's buffers in order (graph values, or keys of ``packed``: the constant operands
+        packed now, once) -- or None when the step must run from Python: it runs on the thread
+        pool, writes a value the runtime does not bind, or reads a value that is not float32."""
+        cg = self.compiled
+        d = cg.desc
+        if not getattr(cg, "inline", False) or not prod(d.out_shape):
+            return None
+        kernel = getattr(cg, "main", None) or getattr(cg, "kernel", None)
+        a_name, b_name = self.head_names()
+        args, packed = [a_name, b_name], {}
+        for k, (const, pack) in enumerate(((getattr(d, "a_const", False), getattr(cg, "packed_a", None)),
+                                           (getattr(d, "b_const", False), getattr(cg, "packed_b", None)))):
+            if const:
+                if args[k] not in constants:
+                    return None
+                key = f"\0packed_{'ab'[k]}:{d.name}:{args[k]}"
+                packed[key] = pack(constants[args[k]])
+                args[k] = key
+        args += [o.value for o in d.operands]
+        for v, shape, dt in self._stored:
+            t = types.get(v)
+            if v not in self.outputs or t is None or np.dtype(t.np_dtype) != dt or prod(t.shape) != prod(shape):
+                return None
+            args.append(v)
+        if any(v not in packed and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
+            return None
+        if len(args) != len(kernel.params):
+            return None
+        return kernel.address, kernel.parallel_extent or 0, tuple(args), packed
+
+    def work(self) -> int:
+        """The larger of the step's flops and the bytes its kernel moves at least."""
+        from ..codegen.conv_direct import DirectConvDesc, moved_bytes
+        d = self.compiled.desc
+        flops = 2 * d.batch * d.m * d.n * d.k
+        if isinstance(d, DirectConvDesc):
+            return max(flops, moved_bytes(d))
+        return max(flops, 4 * d.batch * (d.m * d.n + d.n * d.k))
+
+    def min_chunk(self) -> int:
+        """Fewest iterations of the kernel's parallel loop worth one chunk (a matrix-vector
+        conv's rows are a few hundred multiply-adds: ``MATVEC_CHUNK_MACS`` a chunk)."""
+        from ..codegen.conv_direct import MATVEC_CHUNK_MACS, DirectConvDesc, is_matvec
+        d = self.compiled.desc
+        if isinstance(d, DirectConvDesc) and is_matvec(d.conv):
+            work = d.conv.c // d.conv.group + (2 * d.excite.hw if d.excite is not None else 0)
+            return -(-MATVEC_CHUNK_MACS // work)
+        return 1
+
     def execute(self, env: dict, pool) -> None:
         d = self.compiled.desc
         # the head's operands by name (inputs are deduplicated: x @ x has one)
@@ -90,16 +148,39 @@ class GemmStep:
             raise InputError(f"generated GEMM {d.name}: operands {a_name!r}, {b_name!r} must be float32, "
                              f"got {a.dtype}, {b.dtype}")
         ops = [arr(o.value) for o in d.operands]
-        outs = [np.empty(getattr(d, "stored_shape", d.out_shape), dt) for dt in d.out_dtypes]
-        names = tuple(getattr(d, "stored_as", ()) or d.outputs)
-        # a direct conv's fused squeeze rows / excitation (codegen/conv_direct.py)
-        for v, s, dt in (d.extra_outputs() if hasattr(d, "extra_outputs") else ()):
-            outs.append(np.empty(s, dt))
-            names += (v,)
+        outs = []
+        for v, shape, dt in self._stored:
+            # the runtime's buffer (an arena slot or the caller's output) where it bound one
+            # (writes_buffers); a fresh array for a value the runtime does not know
+            o = env.get(v)
+            if o is None or type(o) is not np.ndarray or o.dtype != dt or o.size != prod(shape) \
+                    or not o.flags.c_contiguous:
+                o = env[v] = np.empty(shape, dt)
+            outs.append(o)
         if prod(d.out_shape):
             self.compiled.run(pool, a, b, ops, outs)
-        for v, o in zip(names, outs):
-            env[v] = o
+
+    @property
+    def _stored(self) -> tuple:
+        """``(value, shape, dtype)`` of every array the kernel writes, in its parameter order."""
+        st = self.__dict__.get("_stored_cache")
+        if st is None:
+            d = self.compiled.desc
+            shape = getattr(d, "stored_shape", d.out_shape)
+            names = tuple(getattr(d, "stored_as", ()) or d.outputs)
+            st = [(v, tuple(shape), np.dtype(dt)) for v, dt in zip(names, d.out_dtypes)]
+            # a direct conv's fused squeeze rows / excitation (codegen/conv_direct.py)
+            st += [(v, tuple(s), np.dtype(dt)) for v, s, dt in
+                   (d.extra_outputs() if hasattr(d, "extra_outputs") else ())]
+            st = self.__dict__["_stored_cache"] = tuple(st)
+        return st
+
+    @property
+    def writes_buffers(self) -> bool:
+        """True: the runtime binds the output buffers before :meth:`execute` (arena slots, so
+        that a GEMM's output reuses memory that is mapped and in cache instead of a fresh
+        allocation per call); an output it did not bind is allocated here."""
+        return True
 
 
 def gemm_key(d) -> str:

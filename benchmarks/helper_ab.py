@@ -1,0 +1,98 @@
+"""In-process A/B of the native driver's helper thread (``apollo_py.runtime.drive.HELPER``,
+docs/design/conv.md "Small convs on the calling thread") on zoo models, onnxruntime interleaved.
+
+    python benchmarks/helper_ab.py [MODEL ...] [--rounds 9] [--threads 2]
+
+MODEL is a zoo file stem (``mobilenetv3_large.dynamo``; default: the mobile CNNs) in
+``~/.cache/apollo_py_zoo`` (benchmarks/zoo).  One compile per model; the driver program is
+rebuilt when the flag flips, so both arms run the same kernels.  Prints median ms per call of
+each arm and of onnxruntime (all optimisations, no spinning), and whether both arms' outputs
+are bit-identical.  Run it on an otherwise idle machine: on a loaded one the helper has no
+core to run on and the ratio says nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+import numpy as np
+
+ZOO = os.path.expanduser("~/.cache/apollo_py_zoo")
+DEFAULT = ["mobilenetv3_large.dynamo", "efficientnet_b0.dynamo", "rapidocr_rec.trained", "rapidocr_cls.trained"]
+
+
+def _feeds(name: str) -> dict:
+    import onnx
+    man = json.load(open(os.path.join(ZOO, "manifest.json")))
+    shapes = {i["name"]: i["shape"] for i in man[name + ".onnx"]["inputs"]}
+    rng = np.random.default_rng(0)
+    return {i.name: rng.standard_normal(shapes[i.name]).astype(np.float32)
+            for i in onnx.load(os.path.join(ZOO, name + ".onnx")).graph.input}
+
+
+def main() -> None:
+    ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap_.add_argument("models", nargs="*", default=DEFAULT)
+    ap_.add_argument("--rounds", type=int, default=9)
+    ap_.add_argument("--threads", type=int, default=2)
+    args = ap_.parse_args()
+    import onnxruntime as ort
+
+    import apollo_py as ap
+    from apollo_py.runtime import drive
+    from apollo_py.runtime.cpu import CpuExecutable
+    default = drive.HELPER
+    for name in args.models:
+        path = os.path.join(ZOO, name + ".onnx")
+        feeds = _feeds(name)
+        f = ap.jit(path, options=ap.Options(num_threads=args.threads))
+        f(**feeds)
+        exes = [o for o in gc.get_objects() if isinstance(o, CpuExecutable)]
+
+        def arm(on: bool) -> None:
+            drive.HELPER = on
+            for e in exes:
+                e._program = None
+                for a in e._arenas._free:
+                    a.driver = None
+            f(**feeds)
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = args.threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        arm(False)
+        off = f(**feeds)
+        off = [np.array(r) for r in (off if isinstance(off, (list, tuple)) else [off])]
+        arm(True)
+        on = f(**feeds)
+        on = [np.array(r) for r in (on if isinstance(on, (list, tuple)) else [on])]
+        same = all(np.array_equal(a, b) for a, b in zip(off, on))
+
+        def timed(fn, n=10) -> float:
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            return float(np.median(ts)) * 1e3
+
+        res = {"off": [], "helper": [], "ort": []}
+        for _ in range(args.rounds):
+            arm(False)
+            res["off"].append(timed(lambda: f(**feeds)))
+            arm(True)
+            res["helper"].append(timed(lambda: f(**feeds)))
+            res["ort"].append(timed(lambda: sess.run(None, feeds)))
+        med = {k: float(np.median(v)) for k, v in res.items()}
+        print(f"{name}: off {med['off']:.3f} ms, helper {med['helper']:.3f} ms, onnxruntime {med['ort']:.3f} ms; "
+              f"helper/off {med['helper'] / med['off']:.3f}, apollo/ort {med['off'] / med['ort']:.2f} -> "
+              f"{med['helper'] / med['ort']:.2f}; bit-identical {same}; load {os.getloadavg()[0]:.1f}", flush=True)
+        drive.HELPER = default
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The driver's helper thread (codegen/driver.py ``apollo_help``, runtime/drive.py): a segment's
+parallel steps (small generated GEMMs / direct convs) share their chunks with one pool worker
+that joins the call.  Same numbers with and without it (bit for bit: chunks do not change the
+arithmetic) and against onnxruntime; a helper that joins before the first step, or after the
+call ended, neither hangs nor changes anything."""
+import threading
+
+import numpy as np
+import pytest
+
+import apollo_py
+from apollo_py import Options
+from apollo_py.codegen import driver as D
+from apollo_py.runtime import drive
+
+from ..conv.models import ort_run
+from ..conv.test_inline_driver import _block
+
+# 1x1 convs of 2.7-4.8 MFLOP: on the calling thread (under SMALL_CONV_FLOPS), worth a helper
+CASES = {
+    "28x28": dict(x_shape=(1, 32, 28, 28), expand=96, cout=32, k=3, stride=1),
+    "odd_15x13_s2_k5_batch2": dict(x_shape=(2, 24, 15, 13), expand=144, cout=40, k=5, stride=2, act="Sigmoid"),
+    "14x14_relu": dict(x_shape=(1, 40, 14, 14), expand=240, cout=40, k=3, stride=1, act="Relu"),
+}
+
+
+def _model(case="28x28"):
+    kw = CASES[case]
+    m = _block(**kw)
+    x = np.random.default_rng(5).standard_normal(kw["x_shape"]).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    return m, x, f
+
+
+def _rebuild(exe):
+    """Drop ``exe``'s driver program and tables (HELPER is read when they are built)."""
+    exe._program = None
+    for a in exe._arenas._free:
+        a.driver = None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parallel_steps_match_without_helper_and_onnxruntime(case, monkeypatch):
+    m, x, f = _model(case)
+    exe = f.specialization({"x": x.shape})
+    monkeypatch.setattr(drive, "HELPER", False)
+    _rebuild(exe)
+    alone = f(x=x)
+    assert not any(s.parallel for s in exe._program.segments)
+    monkeypatch.setattr(drive, "HELPER", True)
+    _rebuild(exe)
+    for _ in range(10):
+        got = f(x=x)
+        np.testing.assert_array_equal(got, alone)
+    assert any(s.parallel for s in exe._program.segments)
+    np.testing.assert_allclose(got, ort_run(m, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    sync = exe._arenas._free[0].driver.sync
+    # the helper either joined and left (6 = 1, 8 = 1) or found the call over (6 = 2)
+    assert (sync[6], sync[8]) in ((1, 1), (2, 0)), list(sync)
+
+
+def test_helper_that_joins_first_and_one_that_comes_late(monkeypatch):
+    """The helper is started (and has joined) before the driver runs the first step: it
+    spins until steps are published and takes part in every one; a helper run after the call
+    returns at once (the call closed word 6)."""
+    m, x, f = _model("odd_15x13_s2_k5_batch2")
+    exe = f.specialization({"x": x.shape})
+    want = f(x=x).copy()
+    started = []
+
+    def eager(pool, tables):
+        sync = tables.sync
+        for k in range(D.SYNC_WORDS - 1):
+            sync[k] = 0
+        sync[D.SYNC_WORDS - 1] = D.sched_yield_address()
+        t = threading.Thread(target=D.help_function(), args=(tables.sync_address, 0, 0))
+        t.start()
+        while sync[6] != 1:         # joined
+            pass
+        started.append(t)
+        return tables.sync_address
+
+    monkeypatch.setattr(drive, "_start_helper", eager)
+    monkeypatch.setattr(drive, "HELPER", True)
+    _rebuild(exe)
+    for _ in range(5):
+        np.testing.assert_array_equal(f(x=x), want)
+    for t in started:
+        t.join(10)
+        assert not t.is_alive()
+    sync = exe._arenas._free[0].driver.sync
+    assert sync[6] == 1 and sync[8] == 1 and sync[7] == 1
+    # late: the call is over (word 6 was 1; a closed call has 2), a helper returns at once
+    sync[6] = 2
+    late = threading.Thread(target=D.help_function(), args=(exe._arenas._free[0].driver.sync_address, 0, 0))
+    late.start()
+    late.join(10)
+    assert not late.is_alive() and sync[6] == 2
+
+
+def test_concurrent_calls_share_one_worker(monkeypatch):
+    """Two Python threads call the model at once: each call has its own arena and shared state;
+    the pool's one worker helps whichever call it reaches first."""
+    m, x, f = _model("14x14_relu")
+    want = f(x=x).copy()
+    monkeypatch.setattr(drive, "HELPER", True)
+    _rebuild(f.specialization({"x": x.shape}))
+    errors = []
+
+    def loop():
+        try:
+            for _ in range(30):
+                np.testing.assert_array_equal(f(x=x), want)
+        except BaseException as exc:      # noqa: BLE001 - reported below
+            errors.append(exc)
+    ts = [threading.Thread(target=loop) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in ts)
