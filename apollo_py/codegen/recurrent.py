@@ -147,10 +147,18 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
             body.append(L.for_("kt", full * lanes, hsz, [L.for_("bi", 0, bs, L.Store(
                 dacc, bi * lanes + kt - full * lanes, dacc[bi * lanes + kt - full * lanes]
                 + L.Load(src, src_row(src, bi) + kt) * r[rrow + kt]), "unroll")]))
+        # the lanes of each row folded as a tree (halves added, log2(lanes) vector adds): a serial
+        # chain of lanes - 1 dependent scalar adds per (row, unit) took most of the step (no
+        # reassoc flag lets LLVM reorder it)
+        w = lanes
+        while w > 1 and w % 2 == 0:
+            w //= 2
+            body.append(L.for_("bi", 0, bs, [L.for_("l", 0, w, L.Store(
+                dacc, bi * lanes + l_, dacc[bi * lanes + l_] + dacc[bi * lanes + w + l_]), "vector")], "unroll"))
         fold = L.Var("fold", dtype)
         body.append(L.for_("bi", 0, bs, [
             L.Local("fold", dtype, dacc[bi * lanes]),
-            L.for_("l", 1, lanes, L.Assign("fold", fold + dacc[bi * lanes + l_]), "unroll"),
+            L.for_("l", 1, w, L.Assign("fold", fold + dacc[bi * lanes + l_]), "unroll"),
             L.Store(gates, bi * gh + j, fold)], "unroll"))
         return L.for_("j", row_lo, row_hi, body)
 

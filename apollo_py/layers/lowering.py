@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from ..errors import CompileError
 from ..ir.graph import Graph
 from ..options import Options
@@ -80,10 +82,24 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
             if spec is not None:
                 steps.append(spec)
                 continue
+        if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "gather" and options.target == "cpu":
+            spec = _gather_step(nodes[0], graph, tuple(group))
+            if spec is not None:
+                steps.append(spec)
+                continue
         if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "recurrent":
             spec = _recurrent_step(nodes[0], graph, options, tuple(group))
             if spec is not None:
                 steps.append(spec)
+                continue
+        if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "concat" and options.target == "cpu" \
+                and types[nodes[0].outputs[0]].dtype in ("float32", "float64", "int32", "int64"):
+            # a concat no producer kernel absorbed (its inputs come from GEMMs, gathers, graph
+            # inputs): one copy kernel, which runs inside a driver segment, instead of np.concatenate
+            ins, outs = _boundary(nodes, graph, later)
+            specs = _fuse(nodes, ins, outs, graph, options, tuple(group), members)
+            if all(sp.fused is not None for sp in specs):
+                steps.extend(specs)
                 continue
         if len(members) == 1 and (first.kind == "fallback" or any(n.op in REFERENCE_OPS for n in nodes)):
             ins, outs = _boundary(nodes, graph, later)
@@ -243,6 +259,38 @@ def _transpose_step(node, graph: Graph, later: set, group: tuple):
                         signature="transpose", parallel_dims=1 if loop.parallel_var else 0,
                         band_extents=(loop.parallel_extent,) if loop.parallel_var else (), tile_sizes=(),
                         flops=0, bytes=t_in.nbytes + t_out.nbytes, reduce_form=None, strategy="copy",
+                        schedule_ms=0.0, total_ms=0.0)
+    return StepSpec(ins, outs, fused=fused, micro_graphs=group)
+
+
+def gather_error_value(node) -> str:
+    """Name of the one-word error buffer of gather ``node``'s kernel (not a graph value: each
+    arena holds one, runtime/cpu.py checks it after a call)."""
+    return "__err__" + node.outputs[0]
+
+
+def _gather_step(node, graph: Graph, group: tuple):
+    """A generated gather kernel (codegen/gather.py) with its error word, or None when the
+    gather stays a numpy step (a dtype the kernel does not copy)."""
+    import hashlib
+
+    from ..codegen.gather import DATA_DTYPES, gather_kernel
+    from .layer1 import FusedKernel
+    data, idx = (graph.types[v] for v in node.inputs)
+    out = graph.types[node.outputs[0]]
+    if data.dtype not in DATA_DTYPES or idx.dtype not in ("int32", "int64") or out.size == 0:
+        return None
+    ax = int(node.attrs["axis"])
+    pre, n, m = int(np.prod(data.shape[:ax], dtype=np.int64)), int(data.shape[ax]), int(idx.size)
+    post = int(np.prod(data.shape[ax + 1:], dtype=np.int64))
+    # named by structure: lookups into tables of one shape share one compiled kernel
+    name = "gather_" + hashlib.sha1(f"{data.dtype}{idx.dtype}{pre},{n},{m},{post}".encode()).hexdigest()[:10]
+    loop = gather_kernel(name, pre, n, m, post, data.dtype, idx.dtype)
+    ins, outs = tuple(node.inputs), (node.outputs[0],)
+    fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs,
+                        param_values=ins + outs + (gather_error_value(node),), signature="gather",
+                        parallel_dims=1, band_extents=(loop.parallel_extent,), tile_sizes=(), flops=0,
+                        bytes=2 * out.nbytes + idx.nbytes, reduce_form=None, strategy="gather",
                         schedule_ms=0.0, total_ms=0.0)
     return StepSpec(ins, outs, fused=fused, micro_graphs=group)
 

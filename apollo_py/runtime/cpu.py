@@ -97,7 +97,10 @@ class CpuExecutable:
         outs = sum(graph.types[v].nbytes for v in set(graph.outputs) if v not in self.constants)
         check_memory(self.memory.arena_bytes + outs + consts, f"graph {graph.name!r} (arena "
                      f"{self.memory.arena_bytes} B, outputs {outs} B, constants {consts} B)", options)
-        self._arenas = ArenaPool(self.memory, graph.types)      # arenas allocated on first call
+        # error words of kernels that check their input (gathers: an index out of range), by name
+        self._error_nodes = {s.param_values[-1]: s.fused.nodes[0] for s in self.steps
+                             if isinstance(s, KernelStep) and getattr(s.fused, "signature", "") == "gather"}
+        self._arenas = ArenaPool(self.memory, graph.types, tuple(self._error_nodes))  # made on first call
         self._trace = threading.local()
         self._pool = thread_pool(num_threads)
         self.plan = plan
@@ -230,6 +233,9 @@ class CpuExecutable:
                     self._dispatch(kind, item, env, out, arena)
                     if trace is not None:
                         trace.append((k, time.perf_counter() - t0))
+            errors = arena.errors
+            if errors is not None and errors.any():
+                self._raise_input_error(errors)
             result = []
             kept = {}       # fresh output arrays handed out as they are, recycled next call
             for v, copy, fresh in self._outs:
@@ -247,6 +253,31 @@ class CpuExecutable:
             return result
         finally:
             self._arenas.release(arena)
+
+    def _raise_input_error(self, errors: np.ndarray) -> None:
+        """Raise the error the numpy reference would have raised for the first kernel whose
+        error word is set (and clear the words: the arena is used again)."""
+        from ..errors import ShapeError
+        from ..ops.evaluate import _describe
+        k = int(np.flatnonzero(errors)[0])
+        errors[:] = 0
+        node = self._error_nodes[list(self._error_nodes)[k]]
+        n = self.graph.types[node.inputs[0]].shape[int(node.attrs["axis"])]
+        # the graph inputs the indices come from: what the caller passed wrong
+        producer = {o: m for m in self.graph.nodes for o in m.outputs}
+        seen, todo, inputs = set(), [node.inputs[1]], []
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in self.graph.inputs:
+                inputs.append(v)
+            elif v in producer:
+                todo.extend(producer[v].inputs)
+        src = f" (from graph input {', '.join(repr(v) for v in sorted(inputs))})" if inputs else ""
+        raise ShapeError(f"{_describe(node)}: gather index out of range [-{n}, {n}) in index tensor "
+                         f"{node.inputs[1]!r}{src}")
 
     def _run_driven(self, feeds: Mapping, out: Mapping, arena) -> dict:
         """Run the schedule with its driver segments as one native call each (runtime/drive.py);

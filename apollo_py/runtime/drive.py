@@ -158,8 +158,8 @@ def build_program(exe, inline) -> Program:
             words = cur["words"]
             dyn = []
             for v in cur["touched"]:
-                if v in slots or v in exe.constants:
-                    continue
+                if v in slots or v in exe.constants or v in exe._error_nodes:
+                    continue        # fixed addresses: arena slots, constants, error words
                 t = graph.types[v]
                 dyn.append((v, index[v], np.dtype(t.np_dtype), int(np.prod(t.shape, dtype=np.int64))))
             prog = (ctypes.c_int64 * len(words))(*words)

@@ -96,7 +96,7 @@ def aligned_empty(shape, dtype) -> np.ndarray:
 class Arena:
     """One pre-faulted block holding every intermediate of a plan; views are made once."""
 
-    def __init__(self, plan: MemoryPlan, types: Mapping):
+    def __init__(self, plan: MemoryPlan, types: Mapping, errors: tuple = ()):
         self.block = np.zeros(max(plan.arena_bytes, ALIGN) + ALIGN, dtype=np.uint8)
         base = (-self.block.ctypes.data) % ALIGN
         self.views: dict[str, np.ndarray] = {}
@@ -104,6 +104,11 @@ class Arena:
             t = types[v]
             raw = self.block[base + s.offset: base + s.offset + s.nbytes]
             self.views[v] = raw.view(t.np_dtype).reshape(t.shape)
+        # one int64 error word per named kernel that can find bad input (a gather's index out
+        # of range): the kernel sets it, the executable checks them after the call
+        self.errors = np.zeros(len(errors), np.int64) if errors else None
+        for k, v in enumerate(errors):
+            self.views[v] = self.errors[k:k + 1]
         self._kept: dict[str, np.ndarray] = {}
         self.driver = None      # runtime/drive.py's DriverTables for this arena, made on first use
 
@@ -137,8 +142,8 @@ class Arena:
 class ArenaPool:
     """Arenas for concurrent calls: each call borrows one (created on demand) and returns it."""
 
-    def __init__(self, plan: MemoryPlan, types: Mapping):
-        self._plan, self._types = plan, types
+    def __init__(self, plan: MemoryPlan, types: Mapping, errors: tuple = ()):
+        self._plan, self._types, self._errors = plan, types, tuple(errors)
         self._free: list[Arena] = []
 
     def acquire(self) -> Arena:
@@ -146,7 +151,7 @@ class ArenaPool:
         try:
             return self._free.pop()
         except IndexError:
-            return Arena(self._plan, self._types)
+            return Arena(self._plan, self._types, self._errors)
 
     def release(self, arena: Arena) -> None:
         self._free.append(arena)

@@ -12,9 +12,8 @@ from ..fuzz_graphs import random_graph
 
 def _chain(n, shape=(16, 16), gather_at=None):
     """``n`` reduce_max/sub pairs along alternating axes: ``n`` kernels that do not fuse; a
-    gather of the rows in reverse order (data-dependent: a numpy step) after pair ``gather_at``
-    splits the kernels in two runs (a transpose no longer does: it is an index map of its
-    neighbour kernel)."""
+    gather of the rows in reverse order after pair ``gather_at`` (a gather kernel, inside the
+    segment; tests patch it back to a numpy step to split the kernels in two runs)."""
     b = ap.GraphBuilder(f"chain{n}")
     y = b.input("x", shape)
     for i in range(n):
@@ -72,7 +71,9 @@ def test_kernels_run_as_one_driver_call():
     np.testing.assert_array_equal(got, _off(f, x))
 
 
-def test_numpy_step_splits_the_schedule_into_two_segments():
+def test_numpy_step_splits_the_schedule_into_two_segments(monkeypatch):
+    from apollo_py.layers import lowering
+    monkeypatch.setattr(lowering, "_gather_step", lambda *a: None)     # the gather as a numpy step
     n = 6
     f = ap.jit(_chain(n, gather_at=2), options=ap.Options(num_threads=2))
     x = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32)
@@ -85,6 +86,20 @@ def test_numpy_step_splits_the_schedule_into_two_segments():
     calls = _counting(exe)
     got = f(x)
     assert calls == [cut, len(kinds) - cut - 1]
+    np.testing.assert_allclose(got, _chain_numpy(x, n, gather_at=2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got, _off(f, x))
+
+
+def test_gather_kernel_runs_inside_the_segment():
+    n = 6
+    f = ap.jit(_chain(n, gather_at=2), options=ap.Options(num_threads=2))
+    x = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32)
+    f(x)
+    exe = f.specialization({"x": x.shape})
+    assert [e[0] for e in exe._program.entries] == ["drive"], str(f.plan)
+    calls = _counting(exe)
+    got = f(x)
+    assert calls == [len(f.plan.kernels)]
     np.testing.assert_allclose(got, _chain_numpy(x, n, gather_at=2), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got, _off(f, x))
 
