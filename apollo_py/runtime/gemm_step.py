@@ -45,7 +45,11 @@ class GemmStep:
             a_val = d.a_value or (spec.inputs[1] if d.conv is not None else spec.inputs[0])
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
-            cg = compile_gemm(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
+            from ..codegen.conv_rows import compile_conv_rows, rows_reason
+            if d.conv is not None and d.a_const and rows_reason(d):
+                cg = compile_conv_rows(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
+            else:
+                cg = compile_gemm(d, int(threads or os.cpu_count() or 1), cache_dir=cache_dir)
         return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason, consts)
 
     def const_operands(self) -> tuple:
