@@ -45,6 +45,10 @@ ENABLED = True
 MAX_PAD_BYTES = 64 << 20
 #: grid columns per B block: ``KC x NC`` floats of input rows read from L2 by every row panel
 NC_MAX = 256
+#: 1x1 convs (stride 1, no padding) read their input in place (no copy at all)
+POINTWISE = True
+#: the widest micro-tile (NR) a pointwise grid must cover: the last panel ends at the grid's end
+NR_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,32 @@ def rows_geom(g) -> RowsGeom:
     return RowsGeom(sh, sw, qh, q, ch, g.oh * q, tab)
 
 
+def in_place(g) -> bool:
+    """Whether conv ``g``'s im2col rows are runs of the input itself (a 1x1 conv, stride 1, no
+    padding, at least :data:`NR_MIN` pixels): the kernel reads the input without a padded copy."""
+    return ((g.kh, g.kw) == (1, 1) and tuple(g.strides) == (1, 1) and tuple(g.pads) == (0, 0)
+            and (g.oh, g.ow) == (g.h, g.w) and g.oh * g.ow >= NR_MIN)
+
+
+def side_tail(g, nr: int) -> int:
+    """Columns of the last, partial NR-column panel of a conv read in place (0: none).  That
+    panel reads a zero-padded copy of those columns (``[image*group][k][NR]``, made per call)
+    instead of reading past the input's end."""
+    if not in_place(g):
+        return 0
+    return (g.oh * g.ow) % nr
+
+
 def rows_reason(d, target: str = "cpu") -> str:
     """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
     the row-reading kernel ("" = the implicit GEMM): a CPU conv with a kernel larger than 1x1
     (a 1x1 conv's im2col is the input itself, or a strided subsample) whose padded copy fits
     ``MAX_PAD_BYTES``."""
     g = d.conv
-    if not ENABLED or g is None or target in ("cuda", "cuda-emu") or (g.kh, g.kw) == (1, 1):
+    if not ENABLED or g is None or target in ("cuda", "cuda-emu"):
         return ""
+    if (g.kh, g.kw) == (1, 1):
+        return "1x1 conv: input rows read in place" if POINTWISE and in_place(g) else ""
     if min(g.n, g.c, g.h, g.w, g.oh, g.ow, d.m) <= 0:
         return ""
     r = rows_geom(g)
@@ -167,10 +189,11 @@ def _pad_kernel(d, r: RowsGeom) -> L.Kernel:
     return L.Kernel(f"{d.name}_pad", (xp, x), loops, "t", g.n * g.c)
 
 
-def _micro_ir(bl) -> str:
+def _micro_ir(bl, c_rs: int) -> str:
     """``@rows.micro(a, b, tab, c, kc, first)``: ``C[MR][NR] (= 0 if first) += sum_{k<kc}
     a[k][MR] (x) b[tab[k] .. + NR]`` -- the generated GEMM's micro-kernel (gemm_ir._micro_ir)
-    with B rows found through the offset table instead of a packed panel."""
+    with B rows found through the offset table instead of a packed panel; ``C[r][j]`` is
+    ``c[r * c_rs + j]`` (any alignment: the panel clamped to the grid's end starts anywhere)."""
     vt = f"<{bl.vl} x float>"
     nv = bl.nr // bl.vl
     accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
@@ -198,14 +221,14 @@ def _micro_ir(bl) -> str:
           "  br i1 %kcnd, label %loop, label %exit, !llvm.loop !0", "exit:",
           "  br i1 %first, label %st, label %acc", "st:"]
     for r, v in accs:
-        s += [f"  %sp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * bl.nr + v * bl.vl}",
-              f"  store {vt} %n{r}_{v}, ptr %sp{r}_{v}, align 64"]
+        s += [f"  %sp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
+              f"  store {vt} %n{r}_{v}, ptr %sp{r}_{v}, align 4"]
     s += ["  ret void", "acc:"]
     for r, v in accs:
-        s += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * bl.nr + v * bl.vl}",
-              f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align 64",
+        s += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
+              f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align 4",
               f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
-              f"  store {vt} %is{r}_{v}, ptr %ip{r}_{v}, align 64"]
+              f"  store {vt} %is{r}_{v}, ptr %ip{r}_{v}, align 4"]
     s += ["  ret void", "}"]
     return "\n".join(s)
 
@@ -217,21 +240,22 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
     g = d.conv
     cg = g.c // g.group
     n_extra = len(d.operands) + len(d.outputs)
-    tile = bl.mr * bl.nr
-    npb = lay.nc // bl.nr
-    cbytes = lay.ppg * npb * tile * 4
+    # per row panel an MR x (NR + NC) row-major block; the panel clamped to end at the grid's
+    # end may start up to NR columns left of the block (module docstring)
+    cbytes = lay.ppg * bl.mr * (lay.nc + bl.nr) * 4
     per_t = lay.njc * lay.mg
     a_tab = list(d.a_index)
     s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
          "  %apk = load ptr, ptr %args",
          "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %xp = load ptr, ptr %g1",
+         "  %g2 = getelementptr ptr, ptr %args, i64 2", "  %side = load ptr, ptr %g2",
          f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
          "  %einfo = alloca [4 x i64], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
          "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
          "  %ei1 = getelementptr i64, ptr %einfo, i64 1", "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
          "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
     for q in range(n_extra):
-        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
+        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {3 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
               f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
     s += ["  br label %tcond",
           "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
@@ -265,32 +289,39 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
           f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})", "  store i64 %i0, ptr %ei1",
           "  %apn = add i64 %apb, %ip", f"  %ao0 = mul i64 %apn, {d.k * bl.mr}", f"  %ak = mul i64 %k0, {bl.mr}",
           "  %ao = add i64 %ao0, %ak", "  %ap = getelementptr float, ptr %apk, i64 %ao",
-          "  %ipl = sub i64 %ip, %ip0", f"  %crow = mul i64 %ipl, {npb * tile}",
+          "  %ipl = sub i64 %ip, %ip0", f"  %crow0 = mul i64 %ipl, {bl.mr * (lay.nc + bl.nr)}",
+          f"  %crow = add i64 %crow0, {bl.nr}",
+          "  %cpr = getelementptr float, ptr %cscr, i64 %crow",
           "  br label %jcond",
-          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
-          "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
+          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jbody]",
+          "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %jdone",
           "jbody:",
-          f"  %jb = mul i64 %jp, {bl.nr}", "  %bp = getelementptr float, ptr %xb, i64 %jb",
-          f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
-          "  %cp = getelementptr float, ptr %cscr, i64 %coff",
-          "  call void @rows.micro(ptr %ap, ptr %bp, ptr %tpk, ptr %cp, i64 %kc, i1 %first)",
-          "  br i1 %last, label %epib, label %jlatch",
-          # grid columns [gb, ge) of this panel, cut at grid rows; ow >= OW columns are dropped
-          "epib:", "  %gb = add i64 %j0, %jb", f"  %gbe = add i64 %gb, {bl.nr}",
-          f"  %ge = call i64 @llvm.smin.i64(i64 %gbe, i64 {r.grid})", "  br label %scond",
-          "scond:", "  %js = phi i64 [%gb, %epib], [%rend, %snext]",
-          "  %sc = icmp slt i64 %js, %ge", "  br i1 %sc, label %sbody, label %jlatch",
+          f"  %jb = mul i64 %jp, {bl.nr}",
+          "  %bpn = getelementptr float, ptr %xb, i64 %jb",
+          "  %cp = getelementptr float, ptr %cpr, i64 %jb",
+          *(["  %gj = add i64 %j0, %jb", f"  %gje = add i64 %gj, {bl.nr}", f"  %part = icmp sgt i64 %gje, {r.grid}",
+             f"  %sdo = mul i64 %b, {d.k * bl.nr}", "  %bps = getelementptr float, ptr %side, i64 %sdo",
+             "  %bp = select i1 %part, ptr %bps, ptr %bpn",
+             f"  %tps = getelementptr [{d.k} x i64], ptr @rows.stab, i64 0, i64 %k0",
+             "  %tp = select i1 %part, ptr %tps, ptr %tpk"] if side_tail(d.conv, bl.nr) else
+            ["  %bp = getelementptr float, ptr %bpn, i64 0", "  %tp = getelementptr i64, ptr %tpk, i64 0"]),
+          "  call void @rows.micro(ptr %ap, ptr %bp, ptr %tp, ptr %cp, i64 %kc, i1 %first)",
+          "  %jpn = add i64 %jp, 1", "  br label %jcond",
+          "jdone:", "  br i1 %last, label %epib, label %inext",
+          # the row panel's grid columns [j0, ge) cut at grid rows; ow >= OW columns are dropped
+          "epib:", "  %ge = add i64 %j0, %ncols", "  br label %scond",
+          "scond:", "  %js = phi i64 [%j0, %epib], [%rend, %snext]",
+          "  %sc = icmp slt i64 %js, %ge", "  br i1 %sc, label %sbody, label %inext",
           "sbody:", f"  %oh = udiv i64 %js, {r.q}", f"  %ohq = mul i64 %oh, {r.q}", "  %ow = sub i64 %js, %ohq",
           f"  %rowe = add i64 %ohq, {r.q}", "  %rend = call i64 @llvm.smin.i64(i64 %rowe, i64 %ge)",
           f"  %owok = icmp slt i64 %ow, {g.ow}", "  br i1 %owok, label %scall, label %snext",
           "scall:", f"  %vre = add i64 %ohq, {g.ow}", "  %vend = call i64 @llvm.smin.i64(i64 %vre, i64 %rend)",
           "  %slen = sub i64 %vend, %js", f"  %ohw = mul i64 %oh, {g.ow}", "  %col = add i64 %ohw, %ow",
           "  store i64 %col, ptr %ei2", "  store i64 %slen, ptr %ei3",
-          "  %toff = sub i64 %js, %gb", "  %tptr = getelementptr float, ptr %cp, i64 %toff",
+          "  %toff = sub i64 %js, %j0", "  %tptr = getelementptr float, ptr %cpr, i64 %toff",
           "  store ptr %tptr, ptr %eargs",
           f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)", "  br label %snext",
           "snext:", "  br label %scond",
-          "jlatch:", "  %jpn = add i64 %jp, 1", "  br label %jcond",
           "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
           "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
           "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
@@ -299,12 +330,13 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
     head = [f"; row-reading conv {d.name}: batch {d.batch}, {d.m}x{r.grid}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {lay.kcb}, NC {lay.nc}",
             index_table("rows.atab", a_tab), index_table("rows.tab", r.tab),
+            index_table("rows.stab", [k * bl.nr for k in range(d.k)]),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
             f"declare void @{epi}(ptr, i64, i64)"]
-    return "\n".join(head) + "\n" + _micro_ir(bl) + "\n" + "\n".join(s)
+    return "\n".join(head) + "\n" + _micro_ir(bl, lay.nc + bl.nr) + "\n" + "\n".join(s)
 
 
 # ------------------------------------------------------------------ compile
@@ -326,7 +358,10 @@ class CompiledConvRows:
         g = desc.conv
         self.pad_size = g.n * g.c * geom.ch
         # columns past the grid's end are read (and dropped) from the last channel's slack
-        self.slack = lay.njc * lay.nc + bl.nr
+        self.slack = geom.q + lay.njc * lay.nc + bl.nr
+        self.in_place = in_place(g)
+        self.tail = side_tail(g, bl.nr)
+        self._no_side = np.zeros(1, np.float32)
 
     def packed_a(self, a: np.ndarray) -> np.ndarray:
         """``a`` (the constant weight) packed once into ``[A batch][panel][k][MR]``."""
@@ -348,14 +383,23 @@ class CompiledConvRows:
 
     def run(self, pool, a: np.ndarray, x: np.ndarray, operands, outputs) -> None:
         apk = self.packed_a(a)
+        if self.in_place:
+            side = self._no_side
+            if self.tail:
+                d, g, bl = self.desc, self.desc.conv, self.blocking
+                hw = g.h * g.w
+                side = np.zeros((d.batch, d.k, bl.nr), np.float32)
+                side[:, :, :self.tail] = x.reshape(d.batch, d.k, hw)[:, :, hw - self.tail:]
+            (self.main if pool is None else lambda ar: pool.run(self.main, ar))([apk, x, side, *operands, *outputs])
+            return
         xp = np.empty(self.pad_size + self.slack, np.float32)
         xp[self.pad_size:] = 0.0
         if pool is None:
             self.pad([xp, x])
-            self.main([apk, xp, *operands, *outputs])
+            self.main([apk, xp, self._no_side, *operands, *outputs])
         else:
             pool.run(self.pad, [xp, x])
-            pool.run(self.main, [apk, xp, *operands, *outputs])
+            pool.run(self.main, [apk, xp, self._no_side, *operands, *outputs])
 
 
 @lru_cache(maxsize=None)
@@ -382,10 +426,12 @@ def compile_conv_rows(d, threads: int, bl=None, cache_dir: Optional[str] = None)
     d = replace(d, name="rows" + d.name[4:])
     bl = bl or default_blocking(replace(d, a_const=True))
     geom = rows_geom(d.conv)
+    if in_place(d.conv) and geom.grid < bl.nr:
+        raise CompileError(f"{d.name}: a 1x1 conv read in place needs at least {bl.nr} pixels, got {geom.grid}")
     lay = rows_layout(d, bl, threads)
     pad = _pad_kernel(d, geom)
     pack_a = _pack_a_kernel(replace(d, a_const=False), bl, lay.npan_a)
-    epi = _epilogue_kernel(d, bl)
+    epi = _epilogue_kernel(d, replace(bl, nr=lay.nc + bl.nr))   # the scratch rows' length
 
     def build():
         h = host()
@@ -397,8 +443,10 @@ def compile_conv_rows(d, threads: int, bl=None, cache_dir: Optional[str] = None)
         return link_ir(d.name, main, texts)
     engine, ir = compile_module(repr(("conv_rows", d, bl, lay, _source_digest())), build, cache_dir, d.name)
     apk = L.Param("apk_all", "float32", d.a_batches * lay.npan_a * d.k * bl.mr)
-    xpp = L.Param("xpad", "float32", d.conv.n * d.conv.c * geom.ch + lay.njc * lay.nc + bl.nr)
-    cr = CompiledConvRows(d, bl, lay, geom, engine, ir, (apk, xpp, *epi.params[2:]), pad, pack_a)
+    xpp = L.Param("xpad", "float32", d.conv.n * d.conv.c * geom.ch
+                  + (0 if in_place(d.conv) else geom.q + lay.njc * lay.nc + bl.nr))
+    side = L.Param("side", "float32", 1)
+    cr = CompiledConvRows(d, bl, lay, geom, engine, ir, (apk, xpp, side, *epi.params[2:]), pad, pack_a)
     cr.desc = named
     return cr
 

@@ -64,13 +64,37 @@ def test_row_conv_residual_epilogue_and_1d():
     assert len(rows) == 2 and "epilogue add+relu" in rows[0].reason, str(f.plan)
 
 
-def test_pointwise_and_input_weight_convs_stay_on_implicit_gemm():
-    """1x1 convs (their im2col is the input itself) and convs whose weight is not a constant
-    keep the implicit GEMM; with ``conv_rows.ENABLED`` off every conv does."""
-    import apollo_py.codegen.conv_rows as CR
-    m = conv_model((1, 8, 6, 6), (4, 8, 1, 1), act="Relu")
+# 1x1 convs read in place: a partial last panel (its side copy), none, batch 2 with groups
+POINTWISE = {
+    "tail": ((1, 40, 7, 7), (24, 40, 1, 1), 1),
+    "no_tail": ((1, 300, 8, 8), (20, 300, 1, 1), 1),
+    "n2_groups": ((2, 32, 5, 9), (40, 16, 1, 1), 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POINTWISE))
+def test_pointwise_conv_reads_input_in_place(case):
+    xs, ws, g = POINTWISE[case]
+    m = conv_model(xs, ws, group=g, act="Relu", bn=True)
+    x = np.random.default_rng(4).standard_normal(xs).astype(np.float32)
     f = apollo_py.jit(m, options=Options(num_threads=2))
-    assert "implicit-GEMM conv" in str(f.plan) and "row-reading" not in str(f.plan)
+    want = ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert "1x1 conv: input rows read in place" in str(f.plan), str(f.plan)
+
+
+def test_other_convs_stay_on_implicit_gemm():
+    """1x1 convs that are not a plain matrix product of the input (stride 2, padding, fewer
+    than 32 pixels) and convs whose weight is not a constant keep the implicit GEMM; with
+    ``conv_rows.ENABLED`` off every conv does."""
+    import apollo_py.codegen.conv_rows as CR
+    for xs, kw in (((1, 8, 10, 10), dict(strides=(2, 2))), ((1, 8, 6, 6), dict(pads=(1, 1, 1, 1))),
+                   ((1, 8, 5, 5), {})):
+        m = conv_model(xs, (4, 8, 1, 1), act="Relu", **kw)
+        f = apollo_py.jit(m, options=Options(num_threads=2))
+        assert "implicit-GEMM conv" in str(f.plan) and "row-reading" not in str(f.plan), str(f.plan)
+        x = np.random.default_rng(2).standard_normal(xs).astype(np.float32)
+        np.testing.assert_allclose(f(x=x), ort_run(m, {"x": x})[0], rtol=1e-4, atol=1e-4)
     b = apollo_py.GraphBuilder("c")
     x, w = b.input("x", (1, 3, 8, 8)), b.input("w", (4, 3, 3, 3))
     f2 = apollo_py.jit(b.build([b.op("conv", x, w, strides=(1, 1), pads=(1, 1, 1, 1), dilations=(1, 1),
