@@ -7,7 +7,8 @@ amortises each packed element over only 64 rows, and every row group packs its o
 column block).  Here the input is copied once per call into a zero-padded, phase-split buffer
 (``pad`` kernel, one pass over the input) in which every im2col row is a contiguous run:
 
-* padded sub-plane ``(pr, pc)`` (``pr < sh``, ``pc < sw``) of channel ``c`` holds padded-image
+* padded sub-plane ``(pr, pc)`` (``pr < sh``, ``pc < sw``; only those some tap reads: one for
+  a strided 1x1 conv) of channel ``c`` holds padded-image
   element ``(r * sh + pr, q * sw + pc)`` at ``(r, q)``, ``QH x Q`` of them (``Q = OW +
   (kw-1)*dw // sw``, ``QH = OH + (kh-1)*dh // sh``); for stride 1 that is the plain padded plane;
 * output ``(oh, ow)`` is *grid column* ``j = oh * Q + ow`` of a GEMM over ``OH * Q`` columns (the
@@ -24,7 +25,9 @@ group)``; since nothing is packed per tile, the rows are split among threads bef
 tile to the GEMM's epilogue kernel (``gemm._epilogue_kernel``, unchanged), called once per grid
 row segment of valid columns.  The weight is packed once (``gemm._pack_a_kernel``).
 
-Chosen by :func:`rows_reason` for CPU convs with a kernel larger than 1x1 (docs/design/conv.md).
+A 1x1 conv at stride 1 without padding reads its input itself (no copy; its last partial
+panel reads a small zero-padded side copy).  Chosen by :func:`rows_reason` for CPU convs with a
+constant weight (docs/design/conv.md).
 """
 from __future__ import annotations
 
@@ -59,9 +62,10 @@ class RowsGeom:
     sw: int
     qh: int            # rows per sub-plane
     q: int             # columns per sub-plane row (the grid's row pitch)
-    ch: int            # floats per channel: sh * sw * qh * q
+    ch: int            # floats per channel: len(phases) * qh * q
     grid: int          # grid columns: OH * Q
     tab: tuple         # offset of im2col row k inside its image's padded channels
+    phases: tuple = ((0, 0),)   # the sub-planes (pr, pc) some tap reads, in storage order
 
 
 def rows_geom(g) -> RowsGeom:
@@ -70,15 +74,17 @@ def rows_geom(g) -> RowsGeom:
     dh, dw = g.dilations
     qh = g.oh + ((g.kh - 1) * dh) // sh
     q = g.ow + ((g.kw - 1) * dw) // sw
-    ch = sh * sw * qh * q
+    # only the sub-planes a tap reads are stored (a 1x1 stride-2 conv: one of four)
+    phases = tuple(sorted({(kh * dh % sh, kw * dw % sw) for kh in range(g.kh) for kw in range(g.kw)}))
+    ch = len(phases) * qh * q
     taps = []
     for kh in range(g.kh):
         for kw in range(g.kw):
             rr, cc = kh * dh, kw * dw
-            taps.append(((rr % sh) * sw + cc % sw) * qh * q + (rr // sh) * q + cc // sw)
+            taps.append(phases.index((rr % sh, cc % sw)) * qh * q + (rr // sh) * q + cc // sw)
     cg = g.c // g.group
     tab = tuple(ci * ch + t for ci in range(cg) for t in taps)
-    return RowsGeom(sh, sw, qh, q, ch, g.oh * q, tab)
+    return RowsGeom(sh, sw, qh, q, ch, g.oh * q, tab, phases)
 
 
 def in_place(g) -> bool:
@@ -99,14 +105,20 @@ def side_tail(g, nr: int) -> int:
 
 def rows_reason(d, target: str = "cpu") -> str:
     """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
-    the row-reading kernel ("" = the implicit GEMM): a CPU conv with a kernel larger than 1x1
-    (a 1x1 conv's im2col is the input itself, or a strided subsample) whose padded copy fits
-    ``MAX_PAD_BYTES``."""
+    the row-reading kernel ("" = the implicit GEMM): a CPU conv whose padded copy fits
+    ``MAX_PAD_BYTES`` -- a 1x1 conv at stride 1 without padding only with at least
+    ``NR_MIN`` pixels (read in place, no copy)."""
     g = d.conv
     if not ENABLED or g is None or target in ("cuda", "cuda-emu"):
         return ""
     if (g.kh, g.kw) == (1, 1):
-        return "1x1 conv: input rows read in place" if POINTWISE and in_place(g) else ""
+        if not POINTWISE:
+            return ""
+        if in_place(g):
+            return "1x1 conv: input rows read in place"
+        if tuple(g.strides) == (1, 1) and tuple(g.pads) == (0, 0):
+            return ""   # fewer than NR_MIN pixels: a copy would cost more than the pack
+        # strided or padded: a copy of the one sub-plane its taps read
     if min(g.n, g.c, g.h, g.w, g.oh, g.ow, d.m) <= 0:
         return ""
     r = rows_geom(g)
@@ -168,23 +180,22 @@ def _pad_kernel(d, r: RowsGeom) -> L.Kernel:
     zero = L.Const(0.0, "float32")
     t = V("t")
     parts = []
-    for pr in range(r.sh):
+    for sub, (pr, pc) in enumerate(r.phases):
         rlo = max(0, ceil((ph - pr) / r.sh))
         rhi = max(rlo, min(r.qh, ceil((g.h + ph - pr) / r.sh)))
-        for pc in range(r.sw):
-            clo = max(0, min(r.q, ceil((pw - pc) / r.sw)))
-            chi = max(clo, min(r.q, ceil((g.w + pw - pc) / r.sw)))
-            base = t * r.ch + (pr * r.sw + pc) * r.qh * r.q
-            rowd = base + V("rr") * r.q
-            src = t * (g.h * g.w) + (V("rr") * r.sh + (pr - ph)) * g.w + (pc - pw)
-            parts += [
-                L.for_("rr", 0, rlo, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector")),
-                L.for_("rr", rlo, rhi, L.block(
-                    L.for_("cc", 0, clo, L.Store(xp, rowd + V("cc"), zero), "vector"),
-                    L.for_("cc", clo, chi, L.Store(xp, rowd + V("cc"),
-                                                   L.Load(x, src + V("cc") * r.sw)), "vector"),
-                    L.for_("cc", chi, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))),
-                L.for_("rr", rhi, r.qh, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))]
+        clo = max(0, min(r.q, ceil((pw - pc) / r.sw)))
+        chi = max(clo, min(r.q, ceil((g.w + pw - pc) / r.sw)))
+        base = t * r.ch + sub * r.qh * r.q
+        rowd = base + V("rr") * r.q
+        src = t * (g.h * g.w) + (V("rr") * r.sh + (pr - ph)) * g.w + (pc - pw)
+        parts += [
+            L.for_("rr", 0, rlo, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector")),
+            L.for_("rr", rlo, rhi, L.block(
+                L.for_("cc", 0, clo, L.Store(xp, rowd + V("cc"), zero), "vector"),
+                L.for_("cc", clo, chi, L.Store(xp, rowd + V("cc"),
+                                               L.Load(x, src + V("cc") * r.sw)), "vector"),
+                L.for_("cc", chi, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))),
+            L.for_("rr", rhi, r.qh, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))]
     loops = L.for_("t", 0, g.n * g.c, L.block(*parts), "parallel")
     return L.Kernel(f"{d.name}_pad", (xp, x), loops, "t", g.n * g.c)
 
