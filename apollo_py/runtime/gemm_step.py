@@ -48,10 +48,19 @@ class GemmStep:
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
             nthreads = int(threads or os.cpu_count() or 1)
-            bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
-            cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)
-            if one_thread is not None:      # the decision overrides the SMALL_FLOPS rule
-                cg.inline = one_thread
+            from ..codegen.conv_rows import compile_conv_rows, rows_reason
+            from ..codegen.gemm import SMALL_CONV_FLOPS
+            # a conv small enough for the calling thread stays on the implicit GEMM, which the
+            # native driver runs inline (CompiledGemm.inline); the row-reading kernel has a pad
+            # step and scratch of its own and runs from Python on the pool
+            small = 2 * d.batch * d.m * d.n * d.k < SMALL_CONV_FLOPS
+            if d.conv is not None and d.a_const and not small and rows_reason(d):
+                cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)
+            else:
+                bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
+                cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)
+                if one_thread is not None:      # the decision overrides the SMALL_FLOPS rule
+                    cg.inline = one_thread
         return GemmStep(cg, tuple(spec.inputs), tuple(spec.outputs), spec.reason, consts)
 
     def const_operands(self) -> tuple:

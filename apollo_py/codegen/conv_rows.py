@@ -1,0 +1,463 @@
+"""Dense conv as a GEMM whose micro-kernel reads the input rows in place (no im2col pack).
+
+The implicit GEMM (codegen/gemm.py) packs the im2col matrix ``B[K = Cin*kh*kw][OH*OW]`` per
+tile and call: the ResNet stem packs 7.4 MB per call, a 3x3 conv with 64 output rows at 56x56
+amortises each packed element over only 64 rows, and every row group packs its own copy (so at
+7x7 spatial the layout splits columns instead and re-reads the multi-megabyte weight per
+column block).  Here the input is copied once per call into a zero-padded, phase-split buffer
+(``pad`` kernel, one pass over the input) in which every im2col row is a contiguous run:
+
+* padded sub-plane ``(pr, pc)`` (``pr < sh``, ``pc < sw``; only those some tap reads: one for
+  a strided 1x1 conv) of channel ``c`` holds padded-image
+  element ``(r * sh + pr, q * sw + pc)`` at ``(r, q)``, ``QH x Q`` of them (``Q = OW +
+  (kw-1)*dw // sw``, ``QH = OH + (kh-1)*dh // sh``); for stride 1 that is the plain padded plane;
+* output ``(oh, ow)`` is *grid column* ``j = oh * Q + ow`` of a GEMM over ``OH * Q`` columns (the
+  ``Q - OW`` columns per row are computed and discarded: 3.5% at 56x56 3x3, 22% at 7x7);
+* tap ``(ci, kh, kw)`` (row ``k`` of B) reads sub-plane ``(kh*dh % sh, kw*dw % sw)`` of channel
+  ``ci`` at offset ``(kh*dh // sh) * Q + kw*dw // sw`` from ``j``: ``B[k][j] = xpad[tab[k] + j]``
+  with the constant offset table ``tab`` (an LLVM global).
+
+The micro-kernel (``rows.micro``, the generated GEMM's register blocking: ``MR x NR/VL`` vector
+accumulators, one broadcast of the packed constant A per row and k) loads its ``NR`` B values
+per k from ``xpad + tab[k] + j``, unaligned.  Tiles are ``(image*group, column block, row
+group)``; since nothing is packed per tile, the rows are split among threads before the columns
+(a small-spatial conv reads its weight once).  Each ``MR x NR`` result goes through a scratch
+tile to the GEMM's epilogue kernel (``gemm._epilogue_kernel``, unchanged), called once per grid
+row segment of valid columns.  The weight is packed once (``gemm._pack_a_kernel``).
+
+A 1x1 conv at stride 1 without padding reads its input itself (no copy; its last partial
+panel reads a small zero-padded side copy).  Chosen by :func:`rows_reason` for CPU convs with a
+constant weight (docs/design/conv.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import ceil
+from typing import Optional
+
+import numpy as np
+
+from apollo_py.codegen import loopir as L
+from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.errors import CompileError
+
+#: switch for A/B measurements in one process (benchmarks); the plan says which path runs
+ENABLED = True
+#: the padded, phase-split input copied per call stays below this (larger: implicit GEMM)
+MAX_PAD_BYTES = 64 << 20
+#: grid columns per B block: ``KC x NC`` floats of input rows read from L2 by every row panel
+NC_MAX = 256
+#: 1x1 convs (stride 1, no padding) read their input in place (no copy at all)
+POINTWISE = True
+#: the widest micro-tile (NR) a pointwise grid must cover: the last panel ends at the grid's end
+NR_MIN = 32
+
+
+@dataclass(frozen=True)
+class RowsGeom:
+    """Padded, phase-split layout of a conv's input (module docstring)."""
+
+    sh: int
+    sw: int
+    qh: int            # rows per sub-plane
+    q: int             # columns per sub-plane row (the grid's row pitch)
+    ch: int            # floats per channel: len(phases) * qh * q
+    grid: int          # grid columns: OH * Q
+    tab: tuple         # offset of im2col row k inside its image's padded channels
+    phases: tuple = ((0, 0),)   # the sub-planes (pr, pc) some tap reads, in storage order
+
+
+def rows_geom(g) -> RowsGeom:
+    """The padded layout of :class:`~apollo_py.codegen.gemm.ConvGeom` ``g``."""
+    sh, sw = g.strides
+    dh, dw = g.dilations
+    qh = g.oh + ((g.kh - 1) * dh) // sh
+    q = g.ow + ((g.kw - 1) * dw) // sw
+    # only the sub-planes a tap reads are stored (a 1x1 stride-2 conv: one of four)
+    phases = tuple(sorted({(kh * dh % sh, kw * dw % sw) for kh in range(g.kh) for kw in range(g.kw)}))
+    ch = len(phases) * qh * q
+    taps = []
+    for kh in range(g.kh):
+        for kw in range(g.kw):
+            rr, cc = kh * dh, kw * dw
+            taps.append(phases.index((rr % sh, cc % sw)) * qh * q + (rr // sh) * q + cc // sw)
+    cg = g.c // g.group
+    tab = tuple(ci * ch + t for ci in range(cg) for t in taps)
+    return RowsGeom(sh, sw, qh, q, ch, g.oh * q, tab, phases)
+
+
+def in_place(g) -> bool:
+    """Whether conv ``g``'s im2col rows are runs of the input itself (a 1x1 conv, stride 1, no
+    padding, at least :data:`NR_MIN` pixels): the kernel reads the input without a padded copy."""
+    return ((g.kh, g.kw) == (1, 1) and tuple(g.strides) == (1, 1) and tuple(g.pads) == (0, 0)
+            and (g.oh, g.ow) == (g.h, g.w) and g.oh * g.ow >= NR_MIN)
+
+
+def side_tail(g, nr: int) -> int:
+    """Columns of the last, partial NR-column panel of a conv read in place (0: none).  That
+    panel reads a zero-padded copy of those columns (``[image*group][k][NR]``, made per call)
+    instead of reading past the input's end."""
+    if not in_place(g):
+        return 0
+    return (g.oh * g.ow) % nr
+
+
+def rows_reason(d, target: str = "cpu") -> str:
+    """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
+    the row-reading kernel ("" = the implicit GEMM): a CPU conv whose padded copy fits
+    ``MAX_PAD_BYTES`` -- a 1x1 conv at stride 1 without padding only with at least
+    ``NR_MIN`` pixels (read in place, no copy)."""
+    g = d.conv
+    if not ENABLED or g is None or target in ("cuda", "cuda-emu"):
+        return ""
+    if (g.kh, g.kw) == (1, 1):
+        if not POINTWISE:
+            return ""
+        if in_place(g):
+            return "1x1 conv: input rows read in place"
+        if tuple(g.strides) == (1, 1) and tuple(g.pads) == (0, 0):
+            return ""   # fewer than NR_MIN pixels: a copy would cost more than the pack
+        # strided or padded: a copy of the one sub-plane its taps read
+    if min(g.n, g.c, g.h, g.w, g.oh, g.ow, d.m) <= 0:
+        return ""
+    r = rows_geom(g)
+    if 4 * (g.n * g.c * r.ch) > MAX_PAD_BYTES:
+        return ""
+    waste = r.grid / (g.oh * g.ow) - 1
+    return f"input rows read in place from a padded copy, {100 * waste:.0f}% grid columns discarded"
+
+
+@dataclass(frozen=True)
+class RowsLayout:
+    """Tiles of the row-reading conv: ``batch * njc * mg``."""
+
+    nc: int            # grid columns per block (a multiple of NR)
+    njc: int
+    mg: int            # row groups
+    ppg: int           # MR-row panels per row group
+    npan_a: int        # MR-row panels of one A batch
+    tiles: int
+    nkc: int
+    kcb: int
+
+
+def rows_layout(d, bl, threads: int) -> RowsLayout:
+    """Row groups of at most ``max_panels`` panels and column blocks of at most ``NC_MAX``
+    columns; while there are fewer than ``4 * threads`` tiles, rows are split first (down to
+    2 panels a group: each row group re-reads only the B block, from cache), then columns."""
+    from .gemm import k_blocks
+    grid = rows_geom(d.conv).grid
+    npc = -(-grid // bl.nr)
+    nc_p = min(npc, NC_MAX // bl.nr)
+    npan = -(-d.m // bl.mr)
+    mg = -(-npan // bl.max_panels)
+    want = 4 * max(1, threads)
+    njc = -(-npc // nc_p)
+    if d.batch * njc * mg < want:
+        mg = max(mg, min(-(-want // (d.batch * njc)), max(1, npan // 2)))
+    if d.batch * njc * mg < want:
+        nc_p = max(1, min(nc_p, -(-npc // -(-want // (d.batch * mg)))))
+        njc = -(-npc // nc_p)
+    ppg = -(-npan // mg)
+    mg = -(-npan // ppg)
+    nkc, kcb = k_blocks(d.k, bl.kc)
+    return RowsLayout(nc_p * bl.nr, njc, mg, ppg, npan, d.batch * njc * mg, nkc, kcb)
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _pad_kernel(d, r: RowsGeom) -> L.Kernel:
+    """``xpad`` (``[N*C][sh*sw][QH][Q]``) from the NCHW input, parallel over channel planes;
+    per sub-plane the rows and columns inside the image are constant ranges, so every row is a
+    zero run, a copy (stride ``sw``) and a zero run."""
+    g = d.conv
+    ph, pw = g.pads
+    xp = L.Param("xpad", "float32", g.n * g.c * r.ch)
+    x = L.Param("x", "float32", g.n * g.c * g.h * g.w)
+    V = L.Var
+    zero = L.Const(0.0, "float32")
+    t = V("t")
+    parts = []
+    for sub, (pr, pc) in enumerate(r.phases):
+        rlo = max(0, ceil((ph - pr) / r.sh))
+        rhi = max(rlo, min(r.qh, ceil((g.h + ph - pr) / r.sh)))
+        clo = max(0, min(r.q, ceil((pw - pc) / r.sw)))
+        chi = max(clo, min(r.q, ceil((g.w + pw - pc) / r.sw)))
+        base = t * r.ch + sub * r.qh * r.q
+        rowd = base + V("rr") * r.q
+        src = t * (g.h * g.w) + (V("rr") * r.sh + (pr - ph)) * g.w + (pc - pw)
+        parts += [
+            L.for_("rr", 0, rlo, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector")),
+            L.for_("rr", rlo, rhi, L.block(
+                L.for_("cc", 0, clo, L.Store(xp, rowd + V("cc"), zero), "vector"),
+                L.for_("cc", clo, chi, L.Store(xp, rowd + V("cc"),
+                                               L.Load(x, src + V("cc") * r.sw)), "vector"),
+                L.for_("cc", chi, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))),
+            L.for_("rr", rhi, r.qh, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))]
+    loops = L.for_("t", 0, g.n * g.c, L.block(*parts), "parallel")
+    return L.Kernel(f"{d.name}_pad", (xp, x), loops, "t", g.n * g.c)
+
+
+def _micro_ir(bl, c_rs: int) -> str:
+    """``@rows.micro(a, b, tab, c, kc, first)``: ``C[MR][NR] (= 0 if first) += sum_{k<kc}
+    a[k][MR] (x) b[tab[k] .. + NR]`` -- the generated GEMM's micro-kernel (gemm_ir._micro_ir)
+    with B rows found through the offset table instead of a packed panel; ``C[r][j]`` is
+    ``c[r * c_rs + j]`` (any alignment: the panel clamped to the grid's end starts anywhere)."""
+    vt = f"<{bl.vl} x float>"
+    nv = bl.nr // bl.vl
+    accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
+    s = ["define internal void @rows.micro(ptr noalias nocapture readonly %a, ptr noalias nocapture readonly %b, "
+         "ptr noalias nocapture readonly %tab, ptr noalias nocapture %c, i64 %kc, i1 %first) #1 {",
+         "entry:", "  br label %loop", "loop:", "  %k = phi i64 [0, %entry], [%k1, %loop]"]
+    for r, v in accs:
+        s.append(f"  %acc{r}_{v} = phi {vt} [zeroinitializer, %entry], [%n{r}_{v}, %loop]")
+    s += ["  %tp = getelementptr inbounds i64, ptr %tab, i64 %k", "  %to = load i64, ptr %tp, align 8",
+          "  %bp0 = getelementptr inbounds float, ptr %b, i64 %to"]
+    for v in range(nv):
+        if v:
+            s.append(f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}")
+        s.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 4")
+    s.append(f"  %ao = mul nuw nsw i64 %k, {bl.mr}")
+    for r in range(bl.mr):
+        s += [f"  %ai{r} = add nuw nsw i64 %ao, {r}",
+              f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
+              f"  %as{r} = load float, ptr %ap{r}, align 4",
+              f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
+              f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
+        for v in range(nv):
+            s.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, {vt} %acc{r}_{v})")
+    s += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",
+          "  br i1 %kcnd, label %loop, label %exit, !llvm.loop !0", "exit:",
+          "  br i1 %first, label %st, label %acc", "st:"]
+    for r, v in accs:
+        s += [f"  %sp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
+              f"  store {vt} %n{r}_{v}, ptr %sp{r}_{v}, align 4"]
+    s += ["  ret void", "acc:"]
+    for r, v in accs:
+        s += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
+              f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align 4",
+              f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
+              f"  store {vt} %is{r}_{v}, ptr %ip{r}_{v}, align 4"]
+    s += ["  ret void", "}"]
+    return "\n".join(s)
+
+
+def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
+    """The tile loop: per tile and K block, every MR-row panel of the row group times every
+    NR-column panel of the column block; on the last K block the scratch tile goes to the
+    epilogue one grid-row segment of valid columns at a time."""
+    g = d.conv
+    cg = g.c // g.group
+    n_extra = len(d.operands) + len(d.outputs)
+    # per row panel an MR x (NR + NC) row-major block; the panel clamped to end at the grid's
+    # end may start up to NR columns left of the block (module docstring)
+    cbytes = lay.ppg * bl.mr * (lay.nc + bl.nr) * 4
+    per_t = lay.njc * lay.mg
+    a_tab = list(d.a_index)
+    s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:",
+         "  %apk = load ptr, ptr %args",
+         "  %g1 = getelementptr ptr, ptr %args, i64 1", "  %xp = load ptr, ptr %g1",
+         "  %g2 = getelementptr ptr, ptr %args, i64 2", "  %side = load ptr, ptr %g2",
+         f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
+         "  %einfo = alloca [4 x i64], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
+         "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
+         "  %ei1 = getelementptr i64, ptr %einfo, i64 1", "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
+         "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
+    for q in range(n_extra):
+        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {3 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
+              f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
+    s += ["  br label %tcond",
+          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
+          "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
+          "tbody:",
+          f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
+          f"  %jc = udiv i64 %rem, {lay.mg}", f"  %ig = urem i64 %rem, {lay.mg}",
+          f"  %j0 = mul i64 %jc, {lay.nc}", f"  %nleft = sub i64 {r.grid}, %j0",
+          f"  %ncols = call i64 @llvm.smin.i64(i64 %nleft, i64 {lay.nc})",
+          f"  %ncr = add i64 %ncols, {bl.nr - 1}", f"  %npan = udiv i64 %ncr, {bl.nr}",
+          f"  %atp = getelementptr [{len(a_tab)} x i64], ptr @rows.atab, i64 0, i64 %b",
+          "  %abv = load i64, ptr %atp", "  store i64 %b, ptr %einfo",
+          f"  %xo0 = mul i64 %b, {cg * r.ch}", "  %xo = add i64 %xo0, %j0",
+          "  %xb = getelementptr float, ptr %xp, i64 %xo",
+          f"  %ip0 = mul i64 %ig, {lay.ppg}", f"  %ipe = add i64 %ip0, {lay.ppg}",
+          f"  %ip1 = call i64 @llvm.smin.i64(i64 %ipe, i64 {lay.npan_a})",
+          f"  %apb = mul i64 %abv, {lay.npan_a}",
+          "  br label %pcond",
+          "pcond:", "  %pc = phi i64 [0, %tbody], [%pcn, %inext_p]",
+          f"  %pcc = icmp slt i64 %pc, {lay.nkc}", "  br i1 %pcc, label %pbody, label %tnext",
+          "pbody:",
+          f"  %k0 = mul i64 %pc, {lay.kcb}", f"  %kleft = sub i64 {d.k}, %k0",
+          f"  %kc = call i64 @llvm.smin.i64(i64 %kleft, i64 {lay.kcb})",
+          "  %first = icmp eq i64 %pc, 0", f"  %last = icmp eq i64 %pc, {lay.nkc - 1}",
+          f"  %tpk = getelementptr [{d.k} x i64], ptr @rows.tab, i64 0, i64 %k0",
+          "  br label %icond",
+          "icond:", "  %ip = phi i64 [%ip0, %pbody], [%ipn, %inext]",
+          "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_p",
+          "ibody:",
+          f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
+          f"  %mr = call i64 @llvm.smin.i64(i64 %mleft, i64 {bl.mr})", "  store i64 %i0, ptr %ei1",
+          "  %apn = add i64 %apb, %ip", f"  %ao0 = mul i64 %apn, {d.k * bl.mr}", f"  %ak = mul i64 %k0, {bl.mr}",
+          "  %ao = add i64 %ao0, %ak", "  %ap = getelementptr float, ptr %apk, i64 %ao",
+          "  %ipl = sub i64 %ip, %ip0", f"  %crow0 = mul i64 %ipl, {bl.mr * (lay.nc + bl.nr)}",
+          f"  %crow = add i64 %crow0, {bl.nr}",
+          "  %cpr = getelementptr float, ptr %cscr, i64 %crow",
+          "  br label %jcond",
+          "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jbody]",
+          "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %jdone",
+          "jbody:",
+          f"  %jb = mul i64 %jp, {bl.nr}",
+          "  %bpn = getelementptr float, ptr %xb, i64 %jb",
+          "  %cp = getelementptr float, ptr %cpr, i64 %jb",
+          *(["  %gj = add i64 %j0, %jb", f"  %gje = add i64 %gj, {bl.nr}", f"  %part = icmp sgt i64 %gje, {r.grid}",
+             f"  %sdo = mul i64 %b, {d.k * bl.nr}", "  %bps = getelementptr float, ptr %side, i64 %sdo",
+             "  %bp = select i1 %part, ptr %bps, ptr %bpn",
+             f"  %tps = getelementptr [{d.k} x i64], ptr @rows.stab, i64 0, i64 %k0",
+             "  %tp = select i1 %part, ptr %tps, ptr %tpk"] if side_tail(d.conv, bl.nr) else
+            ["  %bp = getelementptr float, ptr %bpn, i64 0", "  %tp = getelementptr i64, ptr %tpk, i64 0"]),
+          "  call void @rows.micro(ptr %ap, ptr %bp, ptr %tp, ptr %cp, i64 %kc, i1 %first)",
+          "  %jpn = add i64 %jp, 1", "  br label %jcond",
+          "jdone:", "  br i1 %last, label %epib, label %inext",
+          # the row panel's grid columns [j0, ge) cut at grid rows; ow >= OW columns are dropped
+          "epib:", "  %ge = add i64 %j0, %ncols", "  br label %scond",
+          "scond:", "  %js = phi i64 [%j0, %epib], [%rend, %snext]",
+          "  %sc = icmp slt i64 %js, %ge", "  br i1 %sc, label %sbody, label %inext",
+          "sbody:", f"  %oh = udiv i64 %js, {r.q}", f"  %ohq = mul i64 %oh, {r.q}", "  %ow = sub i64 %js, %ohq",
+          f"  %rowe = add i64 %ohq, {r.q}", "  %rend = call i64 @llvm.smin.i64(i64 %rowe, i64 %ge)",
+          f"  %owok = icmp slt i64 %ow, {g.ow}", "  br i1 %owok, label %scall, label %snext",
+          "scall:", f"  %vre = add i64 %ohq, {g.ow}", "  %vend = call i64 @llvm.smin.i64(i64 %vre, i64 %rend)",
+          "  %slen = sub i64 %vend, %js", f"  %ohw = mul i64 %oh, {g.ow}", "  %col = add i64 %ohw, %ow",
+          "  store i64 %col, ptr %ei2", "  store i64 %slen, ptr %ei3",
+          "  %toff = sub i64 %js, %j0", "  %tptr = getelementptr float, ptr %cpr, i64 %toff",
+          "  store ptr %tptr, ptr %eargs",
+          f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)", "  br label %snext",
+          "snext:", "  br label %scond",
+          "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
+          "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
+          "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
+          "done:", "  call void @free(ptr %cscr)", "  ret void", "}"]
+    from .gemm_ir import index_table
+    head = [f"; row-reading conv {d.name}: batch {d.batch}, {d.m}x{r.grid}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
+            f"KC {lay.kcb}, NC {lay.nc}",
+            index_table("rows.atab", a_tab), index_table("rows.tab", r.tab),
+            index_table("rows.stab", [k * bl.nr for k in range(d.k)]),
+            "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
+            "declare i64 @llvm.smin.i64(i64, i64)",
+            f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
+            f"<{bl.vl} x float>)",
+            f"declare void @{epi}(ptr, i64, i64)"]
+    return "\n".join(head) + "\n" + _micro_ir(bl, lay.nc + bl.nr) + "\n" + "\n".join(s)
+
+
+# ------------------------------------------------------------------ compile
+
+
+class CompiledConvRows:
+    """Machine code of one row-reading conv: ``run(pool, w, x, operands, outputs)`` like
+    :class:`~apollo_py.codegen.gemm.CompiledGemm` (the weight is A, packed once)."""
+
+    def __init__(self, desc, bl, lay: RowsLayout, geom: RowsGeom, engine, ir: str, main_params, pad, pack_a):
+        self.desc, self.blocking, self.layout, self.geom = desc, bl, lay, geom
+        self.engine, self.ir = engine, ir
+        self.main = CompiledKernelBase(L.Kernel(desc.name, main_params, L.Block(), "t", lay.tiles),
+                                       engine.get_function_address(desc.name))
+        self.pad = CompiledKernelBase(pad, engine.get_function_address(pad.name))
+        self.pack_a = CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
+        self._packed_a: tuple = (None, None)
+        self._packed: tuple = (None, None)
+        g = desc.conv
+        self.pad_size = g.n * g.c * geom.ch
+        # columns past the grid's end are read (and dropped) from the last channel's slack
+        self.slack = geom.q + lay.njc * lay.nc + bl.nr
+        self.in_place = in_place(g)
+        self.tail = side_tail(g, bl.nr)
+        self._no_side = np.zeros(1, np.float32)
+
+    def packed_a(self, a: np.ndarray) -> np.ndarray:
+        """``a`` (the constant weight) packed once into ``[A batch][panel][k][MR]``."""
+        from .gemm import _aligned_zeros
+        src, packed = self._packed_a
+        if src is a:
+            return packed
+        d, lay, bl = self.desc, self.layout, self.blocking
+        pan = d.k * bl.mr
+        packed = _aligned_zeros(d.a_batches * lay.npan_a * pan)
+        for ab in range(d.a_batches):
+            at = ab * lay.npan_a * pan
+            self.pack_a([packed[at:at + lay.npan_a * pan], a, np.array([ab, 0], np.int64)], 0, lay.npan_a)
+        self._packed_a = (a, packed)
+        return packed
+
+    def packed_b(self, b):   # the packed store's interface: B is never constant here
+        raise CompileError(f"{self.desc.name}: row-reading conv has no constant B")
+
+    def run(self, pool, a: np.ndarray, x: np.ndarray, operands, outputs) -> None:
+        apk = self.packed_a(a)
+        if self.in_place:
+            side = self._no_side
+            if self.tail:
+                d, g, bl = self.desc, self.desc.conv, self.blocking
+                hw = g.h * g.w
+                side = np.zeros((d.batch, d.k, bl.nr), np.float32)
+                side[:, :, :self.tail] = x.reshape(d.batch, d.k, hw)[:, :, hw - self.tail:]
+            (self.main if pool is None else lambda ar: pool.run(self.main, ar))([apk, x, side, *operands, *outputs])
+            return
+        xp = np.empty(self.pad_size + self.slack, np.float32)
+        xp[self.pad_size:] = 0.0
+        if pool is None:
+            self.pad([xp, x])
+            self.main([apk, xp, self._no_side, *operands, *outputs])
+        else:
+            pool.run(self.pad, [xp, x])
+            pool.run(self.main, [apk, xp, self._no_side, *operands, *outputs])
+
+
+@lru_cache(maxsize=None)
+def _source_digest() -> str:
+    import os
+    from ..fsutil import files_digest
+    here = os.path.dirname(__file__)
+    return files_digest(os.path.join(here, f) for f in
+                        ("conv_rows.py", "gemm.py", "gemm_ir.py", "loopir.py", "printer.py", "scalar_ops.py"))
+
+
+def compile_conv_rows(d, threads: int, bl=None, cache_dir: Optional[str] = None) -> CompiledConvRows:
+    """Generate, optimise (O3) and JIT the row-reading conv of conv GEMM ``d`` (``a_const``:
+    the weight is a constant) through the piecewise cache.  Raises CompileError for sizes it
+    cannot run or an epilogue op without a scalar lowering."""
+    from dataclasses import replace
+
+    from .cached import compile_module
+    from .gemm import _epilogue_kernel, _pack_a_kernel, canonical, default_blocking, link_ir
+    from .llvm import LLVMPrinter, host
+    if d.conv is None or not d.a_const or min(d.m, d.n, d.k, d.batch) <= 0:
+        raise CompileError(f"{d.name}: row-reading conv needs a conv with a constant weight and positive sizes")
+    named, d = d, canonical(d)
+    d = replace(d, name="rows" + d.name[4:])
+    bl = bl or default_blocking(replace(d, a_const=True))
+    geom = rows_geom(d.conv)
+    if in_place(d.conv) and geom.grid < bl.nr:
+        raise CompileError(f"{d.name}: a 1x1 conv read in place needs at least {bl.nr} pixels, got {geom.grid}")
+    lay = rows_layout(d, bl, threads)
+    pad = _pad_kernel(d, geom)
+    pack_a = _pack_a_kernel(replace(d, a_const=False), bl, lay.npan_a)
+    epi = _epilogue_kernel(d, replace(bl, nr=lay.nc + bl.nr))   # the scratch rows' length
+
+    def build():
+        h = host()
+        texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pad, pack_a, epi)]
+        main = _main_ir(d, bl, lay, geom, epi.name)
+        main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
+                 f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
+                 "!0 = distinct !{!0, !1}\n!1 = !{!\"llvm.loop.unroll.count\", i32 4}\n")
+        return link_ir(d.name, main, texts)
+    engine, ir = compile_module(repr(("conv_rows", d, bl, lay, _source_digest())), build, cache_dir, d.name)
+    apk = L.Param("apk_all", "float32", d.a_batches * lay.npan_a * d.k * bl.mr)
+    xpp = L.Param("xpad", "float32", d.conv.n * d.conv.c * geom.ch
+                  + (0 if in_place(d.conv) else geom.q + lay.njc * lay.nc + bl.nr))
+    side = L.Param("side", "float32", 1)
+    cr = CompiledConvRows(d, bl, lay, geom, engine, ir, (apk, xpp, side, *epi.params[2:]), pad, pack_a)
+    cr.desc = named
+    return cr
+
