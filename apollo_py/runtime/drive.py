@@ -169,6 +169,8 @@ def build_program(exe, inline) -> Program:
             vals = [root.get(v, v) for v in (d.a, d.b, d.out) + ((d.acc,) if d.acc is not None else ())]
             cur["words"] += words
             cur["extra"] += 1 if d.acc is not None else 0
+        elif kind == "step" and getattr(item, "noop", False):
+            continue        # a concat whose inputs were all written in place (runtime/concat.py)
         elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
             start(k)       # a reshape: a view made before the segment runs
             cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))

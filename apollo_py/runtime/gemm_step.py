@@ -23,6 +23,9 @@ class GemmStep:
     outputs: tuple
     reason: str
     const_inputs: tuple = ()
+    #: outputs written into buffers the runtime binds (env's arena views) instead of fresh arrays:
+    #: concat inputs placed in their slice of the concat output (runtime/concat.py)
+    bound: frozenset = frozenset()
 
     @staticmethod
     def build(spec, threads: int | None, cache_dir: str | None = None) -> "GemmStep":
@@ -84,8 +87,10 @@ class GemmStep:
             raise InputError(f"generated GEMM {d.name}: operands {a_name!r}, {b_name!r} must be float32, "
                              f"got {a.dtype}, {b.dtype}")
         ops = [arr(o.value) for o in d.operands]
-        outs = [np.empty(getattr(d, "stored_shape", d.out_shape), dt) for dt in d.out_dtypes]
         names = tuple(getattr(d, "stored_as", ()) or d.outputs)
+        shape = getattr(d, "stored_shape", d.out_shape)
+        bound = self.bound
+        outs = [env[v].reshape(shape) if v in bound else np.empty(shape, dt) for v, dt in zip(names, d.out_dtypes)]
         # a direct conv's fused squeeze rows / excitation (codegen/conv_direct.py)
         for v, s, dt in (d.extra_outputs() if hasattr(d, "extra_outputs") else ()):
             outs.append(np.empty(s, dt))
