@@ -144,7 +144,8 @@ def simplify_algebra(graph: Graph) -> Graph:
     value it is replaced by (so broadcasting and promotion are never lost):
     x*1, 1*x, x+0, 0+x, x-0, x/1 -> x; cast to the value's own dtype -> x; transpose of a
     transpose -> one transpose with the composed perm (none if the perm is the identity);
-    reshape of a reshape -> one reshape (none if it restores the shape)."""
+    reshape of a reshape -> one reshape (none if it restores the shape); a pad of all-zero
+    widths and a unit-step slice of the whole tensor -> x."""
     repl: dict[str, str] = {}
     producer: dict[str, Node] = {}
     nodes: list[Node] = []
@@ -180,6 +181,10 @@ def simplify_algebra(graph: Graph) -> Graph:
             elif src != n.inputs[0]:
                 n = n.replace(inputs=(src,), attrs=n.attrs.with_(perm=perm),
                               source=tuple(dict.fromkeys(inner.source + n.source)))
+        elif n.op == "pad" and types[n.inputs[0]] == out_t and not any(int(p) for p in n.attrs["pads"]):
+            alias = n.inputs[0]     # Swin's window padding of a size already a window multiple
+        elif n.op == "slice" and types[n.inputs[0]] == out_t and all(int(s) == 1 for s in n.attrs["steps"]):
+            alias = n.inputs[0]     # the whole tensor (same shape, unit steps: starts are 0)
         elif n.op == "reshape":
             inner = producer.get(n.inputs[0])
             src = n.inputs[0]

@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import CompileError
 from ..ir.graph import Graph
 from . import drive
+from .concat import ConcatStep, SliceView, concat_members, concat_step, slice_views
 from .memory import ArenaPool, plan_memory
 from .reference import run_nodes
 
@@ -78,20 +79,22 @@ class CpuExecutable:
         self.constants = {n.outputs[0]: np.asarray(n.attrs["value"].array, order="C")
                           for n in graph.nodes if n.op == "constant"}
         external = set(graph.inputs) | set(graph.outputs) | set(self.constants)
-        # only outputs of kernels and BLAS calls go into the arena; reference steps return their
-        # own arrays, except a reshape, whose output is a view of its input (an alias: the
-        # memory plan keeps the input's buffer alive for the alias's readers)
-        kernel_outs = {v for s in self.steps if _writes_buffers(s) for v in s.outputs}
-        external |= {v for s in self.steps for v in s.outputs if v not in kernel_outs}
         self._root = _reshape_aliases(self.steps)
         root = self._root
+        members, bound = self._concats_in_place(external)
+        # only outputs of kernels and BLAS calls go into the arena (and generated GEMMs' outputs
+        # placed in a concat's slot or sliced in place); reference steps return their own arrays, except a reshape,
+        # whose output is a view of its input (an alias: the memory plan keeps the input's
+        # buffer alive for the alias's readers)
+        kernel_outs = {v for s in self.steps if _writes_buffers(s) for v in s.outputs} | set(members) | bound
+        external |= {v for s in self.steps for v in s.outputs if v not in kernel_outs}
         # a graph output that is a reshape view of an arena value is copied out after the last
         # step, so that value lives to the end: the closing pseudo-step reads it (else a later
         # kernel reuses its slot first -- found by tests/fuzz_graphs.py, seed 1743)
         closing = [(tuple(root[v] for v in graph.outputs if v in root), ())]
         self.memory = plan_memory([(tuple(root.get(v, v) for v in s.inputs), s.outputs) for s in self.steps] + closing,
                                   {v: graph.types[v].nbytes for s in self.steps for v in (*s.inputs, *s.outputs)},
-                                  external)
+                                  external, members)
         from ..options import check_memory
         consts = sum(a.nbytes for a in self.constants.values())
         outs = sum(graph.types[v].nbytes for v in set(graph.outputs) if v not in self.constants)
@@ -108,7 +111,12 @@ class CpuExecutable:
         self._schedule = self._dispatch_schedule()
         if plan is not None and hasattr(plan, "launches"):     # str(plan) shows layer 3's groups
             index = {id(s): k for k, s in enumerate(self.steps)}
-            self.plan = dataclasses.replace(plan, launches=tuple(
+            kernels = plan.kernels
+            if len(kernels) == len(self.steps):     # concats in place: their reason says so
+                kernels = tuple(dataclasses.replace(spec, reason=s.reason) if isinstance(s, (ConcatStep, SliceView))
+                                else spec
+                                for spec, s in zip(kernels, self.steps))
+            self.plan = dataclasses.replace(plan, kernels=kernels, launches=tuple(
                 tuple(index[id(s)] for s in item) for kind, item in self._schedule if kind == "kernels"))
         self._fresh = {v: (graph.types[v].shape, graph.types[v].np_dtype) for s in self.steps
                        if _writes_buffers(s) for v in s.outputs if v not in self.memory.slots}
@@ -127,6 +135,31 @@ class CpuExecutable:
         from .blas import BlasStep, one_blas_thread
         self._blas_threads = (one_blas_thread() if any(isinstance(s, BlasStep) for s in self.steps)
                               else contextlib.nullcontext())
+
+    def _concats_in_place(self, external: set) -> tuple[dict, set]:
+        """Place concat inputs in their slices of the concat output and slices that are a
+        contiguous block of their input inside it (runtime/concat.py): those steps become
+        :class:`ConcatStep` / :class:`SliceView`, and generated GEMMs writing a placed value get
+        it in ``bound``.  Returns the placements for the memory plan and the GEMM outputs that
+        now live in the arena."""
+        from .gemm_step import GemmStep
+        writers = {v: s for s in self.steps if _writes_buffers(s) or type(s) is GemmStep for v in s.outputs}
+        members, concats = concat_members(self.steps, self.graph, self._root, writers, external)
+        for k, (axis, copies) in concats.items():
+            self.steps[k] = concat_step(self.steps[k], axis, copies, members)
+        writers.update({v: s for s in self.steps if isinstance(s, ConcatStep) for v in s.outputs})
+        views, at = slice_views(self.steps, self.graph, self._root, writers, external, members)
+        for k in at:
+            s = self.steps[k]
+            self.steps[k] = SliceView(s.nodes, s.inputs, s.outputs, "slice as a view: a contiguous block of "
+                                      f"{s.inputs[0]!r} in its buffer (no copy)")
+        placed = {*members, *(r for r, _ in views.values())}
+        bound = set()
+        for s in self.steps:
+            if type(s) is GemmStep:
+                s.bound = frozenset(v for v in s.outputs if v in placed)
+                bound |= s.bound
+        return {**members, **views}, bound
 
     def _dispatch_schedule(self) -> list:
         """Steps in order, consecutive independent kernel steps merged into one dispatch.

@@ -195,6 +195,8 @@ def build_program(exe, inline) -> Program:
             vals = [root.get(v, v) for v in (d.a, d.b, d.out) + ((d.acc,) if d.acc is not None else ())]
             cur["words"] += words
             cur["extra"] += 1 if d.acc is not None else 0
+        elif kind == "step" and getattr(item, "noop", False):
+            continue        # a concat whose inputs were all written in place (runtime/concat.py)
         elif kind == "step" and isinstance(item, GemmStep) \
                 and (call := item.driver_call(exe.constants, graph.types)) is not None:
             s = item        # a generated GEMM or direct conv

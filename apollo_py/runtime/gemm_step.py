@@ -23,6 +23,9 @@ class GemmStep:
     outputs: tuple
     reason: str
     const_inputs: tuple = ()
+    #: outputs written into buffers the runtime binds (env's arena views) instead of fresh arrays:
+    #: concat inputs placed in their slice of the concat output (runtime/concat.py)
+    bound: frozenset = frozenset()
 
     @staticmethod
     def build(spec, threads: int | None, cache_dir: str | None = None, tuned=None) -> "GemmStep":

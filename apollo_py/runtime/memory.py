@@ -47,20 +47,26 @@ def _align(n: int) -> int:
 
 
 def plan_memory(steps: Sequence[tuple[Sequence[str], Sequence[str]]], nbytes: Mapping[str, int],
-                external: set[str]) -> MemoryPlan:
+                external: set[str], members: Mapping[str, tuple[str, int]] | None = None) -> MemoryPlan:
     """Pack the intermediates of ``steps`` (a list of (inputs, outputs) value names).
 
     ``nbytes`` gives each value's size; values in ``external`` (graph inputs, outputs and
-    constants) are not placed in the arena.
+    constants) are not placed in the arena.  ``members`` (value -> (container, byte offset))
+    places a value inside another's slot (a concat input in its slice of the concat output,
+    runtime/concat.py): the container then lives from the first write of any member to the
+    last read of any, and the member's slot is that sub-range.
     """
+    members = members or {}
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for k, (ins, outs) in enumerate(steps):
         for v in outs:
+            v = members[v][0] if v in members else v
             if v not in external:
                 first.setdefault(v, k)
                 last.setdefault(v, k)
         for v in ins:
+            v = members[v][0] if v in members else v
             if v in first:
                 last[v] = k
     order = sorted(first, key=lambda v: (-nbytes[v], first[v], v))
@@ -80,6 +86,11 @@ def plan_memory(steps: Sequence[tuple[Sequence[str], Sequence[str]]], nbytes: Ma
         placed.append(Slot(v, offset, nbytes[v], lo, hi))
     arena = max((s.offset + _align(max(s.nbytes, 1)) for s in placed), default=0)
     naive = sum(_align(max(nbytes[v], 1)) for v in first)
+    by_value = {s.value: s for s in placed}
+    for v, (c, off) in members.items():
+        s = by_value.get(c)
+        if s is not None:
+            placed.append(Slot(v, s.offset + off, nbytes[v], s.first, s.last))
     return MemoryPlan({s.value: s for s in placed}, arena, naive)
 
 

@@ -87,6 +87,12 @@ def _step_cost(step, types) -> tuple[int, int, str]:
         return nbytes, int(d.flops), f"attention {d.name}"
     if d is not None and hasattr(d, "m"):                              # generated GEMM
         return nbytes, int(2 * d.batch * d.m * d.n * d.k), f"gemm {d.name}"
+    copies = getattr(step, "copies", None)
+    if copies is not None:      # runtime/concat.py: producers wrote their slices, the rest is copied
+        moved = 2 * sum(types[v].nbytes for v, _, _ in copies)
+        return moved, 0, f"concat in place ({len(copies)} input(s) copied)"
+    if getattr(step, "noop", False):    # runtime/concat.py: a slice placed inside its input
+        return 0, 0, "view " + " ".join(n.op for n in step.nodes)
     nodes = getattr(step, "nodes", ())
     if nodes and all(n.op == "reshape" for n in nodes):     # a view of its input: moves nothing
         nbytes = 0

@@ -224,3 +224,18 @@ def test_fold_small_iota():
     x = e.input("x", (2, 3))
     expected = e.build([x + e.constant(np.array([[0, 1, 2], [0, 1, 2]], F32))])
     _check(before, preprocess(before, Options()), expected)
+
+
+def test_zero_pad_and_whole_slice_removed():
+    b = GraphBuilder()
+    x = b.input("x", (2, 3, 4))
+    p = b.pad(x, pads=(0,) * 6, mode="constant", value=0.0)
+    s = b.slice(b.exp(p), starts=(0, -3, 0), ends=(2, 3, 4), steps=(1, 1, 1))
+    kept = b.slice(x, starts=(0, 1, 0), ends=(2, 3, 4), steps=(1, 1, 1))      # not the whole: stays
+    crop = b.pad(x, pads=(0, 1, 0, 0, -1, 0), mode="constant", value=0.0)      # same shape, moved: stays
+    before = b.build([b.tanh(s), kept, crop])
+    e = GraphBuilder()
+    x = e.input("x", (2, 3, 4))
+    expected = e.build([e.tanh(e.exp(x)), e.slice(x, starts=(0, 1, 0), ends=(2, 3, 4), steps=(1, 1, 1)),
+                        e.pad(x, pads=(0, 1, 0, 0, -1, 0), mode="constant", value=0.0)])
+    _check(before, eliminate_dead_code(simplify_algebra(before)), expected)
