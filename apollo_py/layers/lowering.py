@@ -93,9 +93,12 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 steps.append(spec)
                 continue
         if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "concat" and options.target == "cpu" \
-                and types[nodes[0].outputs[0]].dtype in ("float32", "float64", "int32", "int64"):
+                and types[nodes[0].outputs[0]].dtype in ("float32", "float64", "int32", "int64") \
+                and not _blocks_concat(nodes[0], types):
             # a concat no producer kernel absorbed (its inputs come from GEMMs, gathers, graph
-            # inputs): one copy kernel, which runs inside a driver segment, instead of np.concatenate
+            # inputs): one copy kernel, which runs inside a driver segment, instead of np.concatenate.
+            # A concat whose inputs are contiguous blocks of its output stays a reference step:
+            # the runtime has its producers write their blocks in place (runtime/concat.py)
             ins, outs = _boundary(nodes, graph, later)
             specs = _fuse(nodes, ins, outs, graph, options, tuple(group), members)
             if all(sp.fused is not None for sp in specs):
@@ -325,6 +328,15 @@ def _recurrent_step(node, graph: Graph, options: Options, group: tuple):
                         tile_sizes=(), flops=2 * t_len * batch * r.size, bytes=int(moved),
                         reduce_form=None, strategy="recurrent", schedule_ms=0.0, total_ms=0.0)
     return StepSpec(ins, outs, fused=fused, micro_graphs=group)
+
+
+def _blocks_concat(node, types) -> bool:
+    """True for a concat over an axis with only unit dims before it (NCHW at batch 1 over
+    channels): each input is one contiguous block of the output, which runtime/concat.py can
+    have the producers write in place."""
+    shape = types[node.outputs[0]].shape
+    axis = int(node.attrs["axis"]) % len(shape) if shape else 0
+    return all(int(d) == 1 for d in shape[:axis])
 
 
 def _scalar_constants(graph: Graph, values) -> list:
