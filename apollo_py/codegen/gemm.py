@@ -57,8 +57,8 @@ MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in
 DIRECT_MR8_K = 768  # see blocking_for
 SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
 #: the same for an implicit-GEMM conv: MobileNetV3's 1x1 convs at 14x14 and 7x7 (4.5-15 MFLOP)
-#: took 75-110 us on the pool on the quiet box and 45-110 us on one thread; 2 threads pay off
-#: from ~16 MFLOP (30 MFLOP: 136 us on the pool, 197 on one thread)
+#: took 75-110 us on the pool on the quiet box and 45-110 us on one thread (a profile at load 5);
+#: 2 threads pay off from ~16 MFLOP (30 MFLOP: 136 us on the pool, 197 on one thread at load 5)
 SMALL_CONV_FLOPS = 2 * 200 ** 3
 
 
