@@ -59,8 +59,8 @@ SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no 
 TILES_PER_THREAD = 8  # on several threads, split until there are this many tiles per thread ...
 TILE_FLOPS = 1 << 20  # ... or tiles of this many flops (~4 us), whichever gives fewer tiles
 #: the same for an implicit-GEMM conv: MobileNetV3's 1x1 convs at 14x14 and 7x7 (4.5-15 MFLOP)
-#: took 75-110 us on the pool on the quiet box and 45-110 us on one thread; 2 threads pay off
-#: from ~16 MFLOP (30 MFLOP: 136 us on the pool, 197 on one thread)
+#: took 75-110 us on the pool on the quiet box and 45-110 us on one thread (a profile at load 5);
+#: 2 threads pay off from ~16 MFLOP (30 MFLOP: 136 us on the pool, 197 on one thread at load 5)
 SMALL_CONV_FLOPS = 2 * 200 ** 3
 
 
