@@ -132,9 +132,17 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     # [lo, hi) only says whether this call takes part (an empty range does nothing) and, with
     # lo == 0, that it is the caller's: it returns only when every tile is finished (a short
     # spin on `finished`, then sched_yield), so the caller need not sleep on the helpers.
-    s += [f"  %ctg = getelementptr ptr, ptr %args, i64 {2 + n_extra}", "  %ctr = load ptr, ptr %ctg",
+    s += ["  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
+          # a call of the whole range [0, tiles) is alone (the native driver's inline step,
+          # CompiledGemm.run on one thread): it counts on a counter of its own on the stack, so
+          # the argument is not touched (a driver may pass one buffer for every call and
+          # thread); the pool's caller passes [0, 1), its helpers [1, 2)
+          f"  %hiall = icmp eq i64 %hi, {lay.tiles}", "  %solo = and i1 %lo0, %hiall",
+          "  %lctr = alloca [2 x i64], align 8", "  store i64 0, ptr %lctr, align 8",
+          "  %lctr1 = getelementptr i64, ptr %lctr, i64 1", "  store i64 0, ptr %lctr1, align 8",
+          f"  %ctg = getelementptr ptr, ptr %args, i64 {2 + n_extra}", "  %actr = load ptr, ptr %ctg",
+          "  %ctr = select i1 %solo, ptr %lctr, ptr %actr",
           "  %ctr1 = getelementptr i64, ptr %ctr, i64 1",
-          "  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
           "  br i1 %live, label %tcond, label %done",
           "tcond:", "  %t = atomicrmw add ptr %ctr, i64 1 monotonic",
           f"  %tc = icmp slt i64 %t, {lay.tiles}", "  br i1 %tc, label %tbody, label %done",

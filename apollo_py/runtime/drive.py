@@ -201,7 +201,7 @@ def build_program(exe, inline) -> Program:
                 and (call := item.driver_call(exe.constants, graph.types)) is not None:
             s = item        # a generated GEMM or direct conv
             address, extent, args, more = call
-            par = threads > 1 and extent > 1 and item.work() >= HELPER_MIN_WORK
+            par = threads > 1 and extent > 1 and item.work() >= HELPER_MIN_WORK and not item.claims_tiles
             if par and cur.get("blas"):
                 flush()
             start(k)

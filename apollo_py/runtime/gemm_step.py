@@ -14,6 +14,11 @@ import numpy as np
 from ..errors import InputError
 
 
+#: the stand-in tile-counter argument of a generated GEMM run by the native driver
+_COUNTER_KEY = "\0tile_counter"
+_NO_COUNTER = np.zeros(2, np.int64)
+
+
 @dataclass
 class GemmStep:
     """One generated GEMM: ``compiled`` (CompiledGemm, or CompiledDirectConv for a direct conv) computing ``outputs`` from ``inputs``."""
@@ -117,11 +122,25 @@ class GemmStep:
             if v not in self.outputs or t is None or np.dtype(t.np_dtype) != dt or prod(t.shape) != prod(shape):
                 return None
             args.append(v)
+        if self.claims_tiles:
+            # the generated GEMM's tile counter: a call of the whole tile range keeps its own
+            # on the stack (codegen/gemm_ir.py), so one never-written buffer serves every step
+            packed[_COUNTER_KEY] = _NO_COUNTER
+            args.append(_COUNTER_KEY)
         if any(v not in packed and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
             return None
         if len(args) != len(kernel.params):
             return None
         return kernel.address, kernel.parallel_extent or 0, tuple(args), packed
+
+    @property
+    def claims_tiles(self) -> bool:
+        """True when the kernel claims its tiles from a counter argument (the generated GEMM,
+        codegen/gemm_ir.py) instead of taking a range of them: the driver runs it as one call
+        of the whole range, never in chunks."""
+        kernel = getattr(self.compiled, "main", None)
+        params = getattr(kernel, "params", ()) if kernel is not None else ()
+        return bool(params) and params[-1].name == "tile_counter"
 
     def work(self) -> int:
         """The larger of the step's flops and the bytes its kernel moves at least."""

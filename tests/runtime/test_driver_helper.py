@@ -16,11 +16,13 @@ from apollo_py.runtime import drive
 from ..conv.models import ort_run
 from ..conv.test_inline_driver import _block
 
-# 1x1 convs of 2.7-4.8 MFLOP: on the calling thread (under SMALL_CONV_FLOPS), worth a helper
+# 1x1 convs of 12-15 MFLOP: on the calling thread (under SMALL_CONV_FLOPS); depthwise convs moving
+# 1-2 MiB: inline and worth a helper (HELPER_MIN_WORK).  Only the direct convs share chunks with
+# the helper: a generated GEMM claims its tiles from a counter and runs as one call (gemm_ir.py)
 CASES = {
-    "28x28": dict(x_shape=(1, 32, 28, 28), expand=96, cout=32, k=3, stride=1),
-    "odd_15x13_s2_k5_batch2": dict(x_shape=(2, 24, 15, 13), expand=144, cout=40, k=5, stride=2, act="Sigmoid"),
-    "14x14_relu": dict(x_shape=(1, 40, 14, 14), expand=240, cout=40, k=3, stride=1, act="Relu"),
+    "28x28": dict(x_shape=(1, 32, 28, 28), expand=240, cout=32, k=3, stride=1),
+    "odd_31x29_s2_k5_batch2": dict(x_shape=(2, 24, 31, 29), expand=144, cout=40, k=5, stride=2, act="Sigmoid"),
+    "28x28_relu": dict(x_shape=(1, 40, 28, 28), expand=240, cout=40, k=3, stride=1, act="Relu"),
 }
 
 
@@ -63,7 +65,7 @@ def test_helper_that_joins_first_and_one_that_comes_late(monkeypatch):
     """The helper is started (and has joined) before the driver runs the first step: it
     spins until steps are published and takes part in every one; a helper run after the call
     returns at once (the call closed word 6)."""
-    m, x, f = _model("odd_15x13_s2_k5_batch2")
+    m, x, f = _model("odd_31x29_s2_k5_batch2")
     exe = f.specialization({"x": x.shape})
     want = f(x=x).copy()
     started = []
@@ -101,7 +103,7 @@ def test_helper_that_joins_first_and_one_that_comes_late(monkeypatch):
 def test_concurrent_calls_share_one_worker(monkeypatch):
     """Two Python threads call the model at once: each call has its own arena and shared state;
     the pool's one worker helps whichever call it reaches first."""
-    m, x, f = _model("14x14_relu")
+    m, x, f = _model("28x28_relu")
     want = f(x=x).copy()
     monkeypatch.setattr(drive, "HELPER", True)
     _rebuild(f.specialization({"x": x.shape}))
