@@ -93,7 +93,7 @@ class GemmStep:
         outs = [env[v].reshape(shape) if v in bound else np.empty(shape, dt) for v, dt in zip(names, d.out_dtypes)]
         # a direct conv's fused squeeze rows / excitation (codegen/conv_direct.py)
         for v, s, dt in (d.extra_outputs() if hasattr(d, "extra_outputs") else ()):
-            outs.append(np.empty(s, dt))
+            outs.append(env[v].reshape(s) if v in bound else np.empty(s, dt))
             names += (v,)
         if prod(d.out_shape):
             self.compiled.run(pool, a, b, ops, outs)
