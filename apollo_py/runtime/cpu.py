@@ -267,7 +267,8 @@ class CpuExecutable:
                     if trace is not None:
                         trace.append((k, time.perf_counter() - t0))
             errors = arena.errors
-            if errors is not None and errors.any():
+            # tobytes() and a compare: 0.12 us for DLRM's 17 words, where errors.any() takes 2 us
+            if errors is not None and errors.tobytes() != arena.errors_clear:
                 self._raise_input_error(errors)
             result = []
             kept = {}       # fresh output arrays handed out as they are, recycled next call

@@ -118,6 +118,7 @@ class Arena:
         # one int64 error word per named kernel that can find bad input (a gather's index out
         # of range): the kernel sets it, the executable checks them after the call
         self.errors = np.zeros(len(errors), np.int64) if errors else None
+        self.errors_clear = bytes(8 * len(errors))     # errors.tobytes() when no word is set
         for k, v in enumerate(errors):
             self.views[v] = self.errors[k:k + 1]
         self._kept: dict[str, np.ndarray] = {}
