@@ -16,6 +16,7 @@ import threading
 import time
 
 _FN: dict = {}
+_FN_LOCK = threading.Lock()
 
 
 def _shape() -> tuple[int, int, bool]:
@@ -55,19 +56,22 @@ def _ir(lanes: int, chains: int, fma: bool, attrs: str) -> str:
 
 
 def _compiled():
-    """(ctypes function, flops per iteration), compiled once per process."""
-    if "fn" not in _FN:
-        from .llvm import _compile_lock, host
-        h = host()
-        lanes, chains, fma = _shape()
-        with _compile_lock:
-            mod = h.llvm.parse_assembly(_ir(lanes, chains, fma, h.cpu_attrs))
-            mod.verify()
-            engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
-            engine.finalize_object()
-        fn = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(engine.get_function_address("apollo_fma_peak"))
-        _FN.update(fn=fn, engine=engine, flops=2 * lanes * chains, lanes=lanes)
-    return _FN["fn"], _FN["flops"]
+    """(ctypes function, flops per iteration), compiled once per process.  Two threads that
+    measure the machine at once share one engine: a second compile replacing the first while
+    its loop still runs freed the code under it (a segfault seen under load)."""
+    with _FN_LOCK:
+        if "fn" not in _FN:
+            from .llvm import _compile_lock, host
+            h = host()
+            lanes, chains, fma = _shape()
+            with _compile_lock:
+                mod = h.llvm.parse_assembly(_ir(lanes, chains, fma, h.cpu_attrs))
+                mod.verify()
+                engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
+                engine.finalize_object()
+            fn = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(engine.get_function_address("apollo_fma_peak"))
+            _FN.update(fn=fn, engine=engine, flops=2 * lanes * chains, lanes=lanes)
+        return _FN["fn"], _FN["flops"]
 
 
 def fma_rate(threads: int, seconds: float = 0.01) -> float:
