@@ -341,7 +341,7 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
     head = [f"; row-reading conv {d.name}: batch {d.batch}, {d.m}x{r.grid}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {lay.kcb}, NC {lay.nc}",
             index_table("rows.atab", a_tab), index_table("rows.tab", r.tab),
-            index_table("rows.stab", [k * bl.nr for k in range(d.k)]),
+            *([index_table("rows.stab", [k * bl.nr for k in range(d.k)])] if side_tail(g, bl.nr) else []),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
@@ -362,7 +362,7 @@ class CompiledConvRows:
         self.engine, self.ir = engine, ir
         self.main = CompiledKernelBase(L.Kernel(desc.name, main_params, L.Block(), "t", lay.tiles),
                                        engine.get_function_address(desc.name))
-        self.pad = CompiledKernelBase(pad, engine.get_function_address(pad.name))
+        self.pad = CompiledKernelBase(pad, engine.get_function_address(pad.name)) if pad is not None else None
         self.pack_a = CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
         self._packed_a: tuple = (None, None)
         self._packed: tuple = (None, None)
@@ -440,13 +440,13 @@ def compile_conv_rows(d, threads: int, bl=None, cache_dir: Optional[str] = None)
     if in_place(d.conv) and geom.grid < bl.nr:
         raise CompileError(f"{d.name}: a 1x1 conv read in place needs at least {bl.nr} pixels, got {geom.grid}")
     lay = rows_layout(d, bl, threads)
-    pad = _pad_kernel(d, geom)
+    pad = None if in_place(d.conv) else _pad_kernel(d, geom)   # read in place: no copy
     pack_a = _pack_a_kernel(replace(d, a_const=False), bl, lay.npan_a)
     epi = _epilogue_kernel(d, replace(bl, nr=lay.nc + bl.nr))   # the scratch rows' length
 
     def build():
         h = host()
-        texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pad, pack_a, epi)]
+        texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pad, pack_a, epi) if k is not None]
         main = _main_ir(d, bl, lay, geom, epi.name)
         main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
                  f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
