@@ -21,9 +21,10 @@ The micro-kernel (``rows.micro``, the generated GEMM's register blocking: ``MR x
 accumulators, one broadcast of the packed constant A per row and k) loads its ``NR`` B values
 per k from ``xpad + tab[k] + j``, unaligned.  Tiles are ``(image*group, column block, row
 group)``; since nothing is packed per tile, the rows are split among threads before the columns
-(a small-spatial conv reads its weight once).  Each ``MR x NR`` result goes through a scratch
-tile to the GEMM's epilogue kernel (``gemm._epilogue_kernel``, unchanged), called once per grid
-row segment of valid columns.  The weight is packed once (``gemm._pack_a_kernel``).
+(a small-spatial conv reads its weight once).  The ``MR x NR`` results of a row panel go to a
+row-major ``MR x (NC + NR)`` scratch block, and after the last K block the GEMM's epilogue
+kernel (``gemm._epilogue_kernel``, unchanged) runs once per grid-row segment of valid columns.
+The weight is packed once (``gemm._pack_a_kernel``).
 
 A 1x1 conv at stride 1 without padding reads its input itself (no copy; its last partial
 panel reads a small zero-padded side copy).  Chosen by :func:`rows_reason` for CPU convs with a
@@ -50,7 +51,8 @@ MAX_PAD_BYTES = 64 << 20
 NC_MAX = 256
 #: 1x1 convs (stride 1, no padding) read their input in place (no copy at all)
 POINTWISE = True
-#: the widest micro-tile (NR) a pointwise grid must cover: the last panel ends at the grid's end
+#: a 1x1 conv read in place has at least this many pixels (one full NR panel; fewer: the side
+#: copy would be the whole input, and the implicit GEMM's pack is as cheap)
 NR_MIN = 32
 
 
