@@ -21,9 +21,10 @@ The micro-kernel (``rows.micro``, the generated GEMM's register blocking: ``MR x
 accumulators, one broadcast of the packed constant A per row and k) loads its ``NR`` B values
 per k from ``xpad + tab[k] + j``, unaligned.  Tiles are ``(image*group, column block, row
 group)``; since nothing is packed per tile, the rows are split among threads before the columns
-(a small-spatial conv reads its weight once).  Each ``MR x NR`` result goes through a scratch
-tile to the GEMM's epilogue kernel (``gemm._epilogue_kernel``, unchanged), called once per grid
-row segment of valid columns.  The weight is packed once (``gemm._pack_a_kernel``).
+(a small-spatial conv reads its weight once).  The ``MR x NR`` results of a row panel go to a
+row-major ``MR x (NC + NR)`` scratch block, and after the last K block the GEMM's epilogue
+kernel (``gemm._epilogue_kernel``, unchanged) runs once per grid-row segment of valid columns.
+The weight is packed once (``gemm._pack_a_kernel``).
 
 A 1x1 conv at stride 1 without padding reads its input itself (no copy; its last partial
 panel reads a small zero-padded side copy).  Chosen by :func:`rows_reason` for CPU convs with a
@@ -50,7 +51,8 @@ MAX_PAD_BYTES = 64 << 20
 NC_MAX = 256
 #: 1x1 convs (stride 1, no padding) read their input in place (no copy at all)
 POINTWISE = True
-#: the widest micro-tile (NR) a pointwise grid must cover: the last panel ends at the grid's end
+#: a 1x1 conv read in place has at least this many pixels (one full NR panel; fewer: the side
+#: copy would be the whole input, and the implicit GEMM's pack is as cheap)
 NR_MIN = 32
 
 
@@ -341,7 +343,7 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
     head = [f"; row-reading conv {d.name}: batch {d.batch}, {d.m}x{r.grid}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {lay.kcb}, NC {lay.nc}",
             index_table("rows.atab", a_tab), index_table("rows.tab", r.tab),
-            index_table("rows.stab", [k * bl.nr for k in range(d.k)]),
+            *([index_table("rows.stab", [k * bl.nr for k in range(d.k)])] if side_tail(g, bl.nr) else []),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
@@ -362,7 +364,7 @@ class CompiledConvRows:
         self.engine, self.ir = engine, ir
         self.main = CompiledKernelBase(L.Kernel(desc.name, main_params, L.Block(), "t", lay.tiles),
                                        engine.get_function_address(desc.name))
-        self.pad = CompiledKernelBase(pad, engine.get_function_address(pad.name))
+        self.pad = CompiledKernelBase(pad, engine.get_function_address(pad.name)) if pad is not None else None
         self.pack_a = CompiledKernelBase(pack_a, engine.get_function_address(pack_a.name))
         self._packed_a: tuple = (None, None)
         self._packed: tuple = (None, None)
@@ -440,13 +442,13 @@ def compile_conv_rows(d, threads: int, bl=None, cache_dir: Optional[str] = None)
     if in_place(d.conv) and geom.grid < bl.nr:
         raise CompileError(f"{d.name}: a 1x1 conv read in place needs at least {bl.nr} pixels, got {geom.grid}")
     lay = rows_layout(d, bl, threads)
-    pad = _pad_kernel(d, geom)
+    pad = None if in_place(d.conv) else _pad_kernel(d, geom)   # read in place: no copy
     pack_a = _pack_a_kernel(replace(d, a_const=False), bl, lay.npan_a)
     epi = _epilogue_kernel(d, replace(bl, nr=lay.nc + bl.nr))   # the scratch rows' length
 
     def build():
         h = host()
-        texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pad, pack_a, epi)]
+        texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pad, pack_a, epi) if k is not None]
         main = _main_ir(d, bl, lay, geom, epi.name)
         main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
                  f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
