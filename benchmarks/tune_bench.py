@@ -1,4 +1,4 @@
-"""Tuned vs untuned: the seven memory-bound workloads and three zoo models (issue #18, item 2).
+"""Tuned vs untuned: the seven memory-bound workloads and four zoo models (issue #18, item 2).
 
 For each model: ``apollo_py.tuning.tune`` (budget ``--budget`` seconds, decisions stored in the
 cache dir's tuning database), then two executables of the same model in one process -- one
@@ -8,7 +8,7 @@ calls of both (the order alternating per round); the table gives the median per-
 each and the median of the per-round ratios (untuned / tuned: above 1 = tuning helped).  The
 outputs of the two are compared first (max relative difference).
 
-    python benchmarks/tune_bench.py [--quick] [--budget 60] [--rounds 7] [--reps 5] [--markdown]
+    python benchmarks/tune_bench.py [--quick] [--budget 60] [--zoo-budget 240] [--rounds 7] [--reps 5] [--markdown]
         [--only softmax ...] [--zoo dlrm.dynamo.onnx ...] [--no-zoo] [--cache-dir DIR]
 
 Zoo models are read from ``~/.cache/apollo_py_zoo`` (benchmarks/zoo/export.py; inputs from its
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MEMORY_BOUND = ("layernorm", "softmax", "logsoftmax", "bias_gelu", "bias_maxpool", "bias_reducesum",
                 "four_branches")
-ZOO = ("dlrm.dynamo.onnx", "mobilenetv3_large.dynamo.onnx", "bert_base.dynamo.onnx")
+ZOO = ("dlrm.dynamo.onnx", "mobilenetv3_large.dynamo.onnx", "bert_base.dynamo.onnx", "resnet50.dynamo.onnx")
 ZOO_DIR = os.path.expanduser("~/.cache/apollo_py_zoo")
 
 
@@ -54,13 +54,13 @@ def _time(f, feeds, reps: int) -> float:
     return statistics.median(ts)
 
 
-def bench_one(name: str, model, feeds: dict, args) -> dict:
+def bench_one(name: str, model, feeds: dict, args, budget: float | None = None) -> dict:
     import apollo_py as ap
     from apollo_py.tuning import tune
     opts = ap.Options(cache_dir=args.cache_dir, progress=False)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    res = tune(model, options=opts.replace(model_name=name), feeds=feeds, budget=args.budget, repeat=args.repeat,
+    res = tune(model, options=opts.replace(model_name=name), feeds=feeds, budget=budget or args.budget, repeat=args.repeat,
                progress=False)
     tune_s = time.perf_counter() - t0
     f_off = ap.jit(model, options=opts.replace(tune="off"))
@@ -89,7 +89,9 @@ def bench_one(name: str, model, feeds: dict, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small workload sizes")
-    p.add_argument("--budget", type=float, default=60.0, help="tuning seconds per model")
+    p.add_argument("--budget", type=float, default=60.0, help="tuning seconds per workload")
+    p.add_argument("--zoo-budget", type=float, default=240.0,
+                   help="tuning seconds per zoo model (ResNet-50 has ~30 GEMM pieces: a GEMM round compiles each)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--repeat", type=int, default=9, help="the tuner's profiled runs per round")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         manifest = json.load(open(os.path.join(ZOO_DIR, "manifest.json")))
         for fname in args.zoo:
             path = os.path.join(ZOO_DIR, fname)
-            rows.append(bench_one(fname.split(".")[0], path, zoo_feeds(manifest[fname]), args))
+            rows.append(bench_one(fname.split(".")[0], path, zoo_feeds(manifest[fname]), args, args.zoo_budget))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
