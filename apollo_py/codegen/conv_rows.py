@@ -109,9 +109,15 @@ def rows_reason(d, target: str = "cpu") -> str:
     """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
     the row-reading kernel ("" = the implicit GEMM): a CPU conv whose padded copy fits
     ``MAX_PAD_BYTES`` -- a 1x1 conv at stride 1 without padding only with at least
-    ``NR_MIN`` pixels (read in place, no copy)."""
+    ``NR_MIN`` pixels (read in place, no copy); not a conv under ``SMALL_CONV_FLOPS``."""
     g = d.conv
     if not ENABLED or g is None or target in ("cuda", "cuda-emu"):
+        return ""
+    from .gemm import SMALL_CONV_FLOPS
+    if 2 * d.batch * d.m * d.n * d.k < SMALL_CONV_FLOPS:
+        # small enough for the calling thread: the implicit GEMM, which the native driver runs
+        # inline (CompiledGemm.inline); this kernel has a pad step and scratch of its own and
+        # runs from Python on the pool
         return ""
     if (g.kh, g.kw) == (1, 1):
         if not POINTWISE:

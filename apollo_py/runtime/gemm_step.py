@@ -57,12 +57,7 @@ class GemmStep:
                 d = replace(d, a_const=True)
             nthreads = int(threads or os.cpu_count() or 1)
             from ..codegen.conv_rows import compile_conv_rows, rows_reason
-            from ..codegen.gemm import SMALL_CONV_FLOPS
-            # a conv small enough for the calling thread stays on the implicit GEMM, which the
-            # native driver runs inline (CompiledGemm.inline); the row-reading kernel has a pad
-            # step and scratch of its own and runs from Python on the pool
-            small = 2 * d.batch * d.m * d.n * d.k < SMALL_CONV_FLOPS
-            if d.conv is not None and d.a_const and not small and rows_reason(d):
+            if d.conv is not None and d.a_const and rows_reason(d):
                 cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)
             else:
                 bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
