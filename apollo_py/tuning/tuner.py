@@ -47,6 +47,8 @@ from .space import GEMM_ROUNDS, gemm_candidates
 
 #: a candidate must beat the piece's best time by this fraction to replace it
 MIN_GAIN = 0.05
+#: a round whose whole run is this fraction slower than its reference's is not used
+SLOWER_ROUND = 0.05
 #: tile sizes tried for the outer band of every layer-1 kernel group
 TILE_CANDIDATES = ((16,), (64,), (8, 64))
 #: chunk counts tried for every parallel kernel
@@ -335,7 +337,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         if label in ("default", "rebaseline", "final"):
             ref_total[0] = m.total
         elif whole and (m.pair_ratio(range(len(ref.exe.steps)), range(len(m.exe.steps))) if ref is not None
-                        else m.total / ref_total[0]) > 1 + MIN_GAIN:
+                        else m.total / ref_total[0]) > 1 + SLOWER_ROUND:
             # the round is slower as a whole: a piece's own time may have improved while it
             # slowed the others down (OpenBLAS threads spinning after a BLAS call), so no piece
             # takes this round's candidate

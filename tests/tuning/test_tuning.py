@@ -71,7 +71,8 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     # every candidate wins and the whole is kept: the plan replayed below then has a
     # non-default decision of every kind the graph offers (a GEMM blocking among them),
     # whatever this box's timings are (the selection itself: test_options_tune_...)
-    monkeypatch.setattr(T, "MIN_GAIN", -10.0)
+    monkeypatch.setattr(T, "MIN_GAIN", -1e9)
+    monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
     monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
     # one candidate of each kind is enough to replay (the full lists: test_gemm_candidates_...)
     monkeypatch.setattr(T, "TILE_CANDIDATES", ((16,),))
@@ -85,11 +86,12 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     assert set(pieces) == set(res.records)
     kinds = {r["kind"] for r in pieces.values()}
     assert {"stitch", "group", "kernel", "gemm"} <= kinds, kinds
+    assert {"stitch", "group", "kernel", "gemm"} <= {r["kind"] for r in pieces.values() if r["decision"]}
     gemm = [r for r in pieces.values() if r["kind"] == "gemm"]
     assert len(gemm) == 1 and gemm[0]["decision"] == {"threads": 2, "blocking": {"mr": 12, "kc": 128}}, gemm
     exe, _ = _exe(opts.replace(tune="off"))
-    _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, {}, with_keys=True)
-    assert set(keys) <= set(pieces)     # every lowering group has a stored decision
+    _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, db.decisions(opts), with_keys=True)
+    assert set(keys) <= set(pieces)     # every lowering group (under the stored stitch decisions) has a decision
     for r in pieces.values():
         assert r["tuned_s"] in r["candidates"].values()
     events = [json.loads(line) for line in open(tmp_path / "feedback.jsonl")]
