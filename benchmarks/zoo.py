@@ -352,7 +352,7 @@ def table(rows: list) -> str:
     for r in rows:
         c, w = r["cold"], r.get("warm", {})
         if "error" in c:
-            where = c.get("stack", [""])[0].replace('File "', "").split("apollo_py/")[-1].replace('", line', ":")
+            where = (c.get("stack") or [""])[0].replace('File "', "").split("apollo_py/")[-1].replace('", line', ":")
             out.append(f"| {r['model']} | **{c['error'][:80]}** | | | | | | | | | | | | | | {where} |")
             continue
         passes = ", ".join(f"{k} {v:.2f}" for k, v in (c.get("progress") or {}).items() if v >= 0.05)

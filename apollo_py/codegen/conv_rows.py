@@ -105,6 +105,10 @@ def side_tail(g, nr: int) -> int:
     return (g.oh * g.ow) % nr
 
 
+#: kernel taps per channel (kh * kw) above which a conv stays on the implicit GEMM (7x7 stems fit)
+MAX_TAPS = 49
+
+
 def rows_reason(d, target: str = "cpu") -> str:
     """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
     the row-reading kernel ("" = the implicit GEMM): a CPU conv whose padded copy fits
@@ -112,6 +116,10 @@ def rows_reason(d, target: str = "cpu") -> str:
     ``NR_MIN`` pixels (read in place, no copy); not a conv under ``SMALL_CONV_FLOPS``."""
     g = d.conv
     if not ENABLED or g is None or target in ("cuda", "cuda-emu"):
+        return ""
+    if g.kh * g.kw > MAX_TAPS:
+        # a patch embedding (ViT's 16x16 stride 16): its 768-row offset table made LLVM's O3
+        # run for minutes; its im2col has no overlap to save anyway
         return ""
     from .gemm import SMALL_CONV_FLOPS
     if 2 * d.batch * d.m * d.n * d.k < SMALL_CONV_FLOPS:

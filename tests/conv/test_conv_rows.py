@@ -108,11 +108,14 @@ def test_pointwise_conv_reads_input_in_place(case):
 
 
 def test_other_convs_stay_on_implicit_gemm():
-    """1x1 convs of fewer than 32 pixels at stride 1 (a copy would cost more than the pack) and convs whose weight is not a constant keep the implicit GEMM; with
+    """1x1 convs of fewer than 32 pixels at stride 1 (a copy would cost more than the pack), convs
+    of more than ``MAX_TAPS`` taps and convs whose weight is not a constant keep the implicit GEMM; with
     ``conv_rows.ENABLED`` off every conv does."""
     import apollo_py.codegen.conv_rows as CR
-    for xs, kw in (((1, 8, 5, 5), {}),):
-        m = conv_model(xs, (4, 8, 1, 1), act="Relu", **kw)
+    # and a patch embedding (ViT's 16x16 stride 16 has 256 taps per channel, over MAX_TAPS: its
+    # offset table made LLVM's O3 run for minutes)
+    for xs, ws, kw in (((1, 8, 5, 5), (4, 8, 1, 1), {}), ((1, 3, 32, 32), (8, 3, 16, 16), {"strides": (16, 16)})):
+        m = conv_model(xs, ws, act="Relu", **kw)
         f = apollo_py.jit(m, options=Options(num_threads=2))
         assert "implicit-GEMM conv" in str(f.plan) and "row-reading" not in str(f.plan), str(f.plan)
         x = np.random.default_rng(2).standard_normal(xs).astype(np.float32)
