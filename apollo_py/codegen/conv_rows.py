@@ -235,28 +235,8 @@ def _micro_ir(bl, c_rs: int) -> str:
         if v:
             s.append(f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}")
         s.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 4")
-    s.append(f"  %ao = mul nuw nsw i64 %k, {bl.mr}")
-    for r in range(bl.mr):
-        s += [f"  %ai{r} = add nuw nsw i64 %ao, {r}",
-              f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
-              f"  %as{r} = load float, ptr %ap{r}, align 4",
-              f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
-              f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
-        for v in range(nv):
-            s.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, {vt} %acc{r}_{v})")
-    s += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",
-          "  br i1 %kcnd, label %loop, label %exit, !llvm.loop !0", "exit:",
-          "  br i1 %first, label %st, label %acc", "st:"]
-    for r, v in accs:
-        s += [f"  %sp{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
-              f"  store {vt} %n{r}_{v}, ptr %sp{r}_{v}, align 4"]
-    s += ["  ret void", "acc:"]
-    for r, v in accs:
-        s += [f"  %ip{r}_{v} = getelementptr inbounds float, ptr %c, i64 {r * c_rs + v * bl.vl}",
-              f"  %il{r}_{v} = load {vt}, ptr %ip{r}_{v}, align 4",
-              f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
-              f"  store {vt} %is{r}_{v}, ptr %ip{r}_{v}, align 4"]
-    s += ["  ret void", "}"]
+    from .gemm_ir import micro_fma_tail_ir
+    s += micro_fma_tail_ir(bl, bl.mr, 1, c_rs, 4)
     return "\n".join(s)
 
 

@@ -39,7 +39,20 @@ def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int =
         if v:
             lines[-1] = f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}"
         lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 64")
-    lines.append(f"  %ao = mul nuw nsw i64 %k, {a_ks}")
+    lines += micro_fma_tail_ir(bl, a_ks, a_rs, c_rs, calign)
+    return "\n".join(lines)
+
+
+def micro_fma_tail_ir(bl: Blocking, a_ks: int, a_rs: int, c_rs: int, calign: int) -> list:
+    """The rest of a micro-kernel once its B vectors ``%bv<v>`` of step ``%k`` are loaded: the
+    ``MR`` broadcasts of A (``a[k * a_ks + r * a_rs]``) times B into the accumulators, the k loop's
+    back edge, and C (``c[r * c_rs + j]``, alignment ``calign``) stored on the first K block or
+    loaded and added on the others.  Shared by the GEMM's micro-kernel and the row-reading
+    conv's (codegen/conv_rows.py), which differ only in where B comes from."""
+    vt = f"<{bl.vl} x float>"
+    nv = bl.nr // bl.vl
+    accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
+    lines = [f"  %ao = mul nuw nsw i64 %k, {a_ks}"]
     for r in range(bl.mr):
         lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r * a_rs}",
                   f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
@@ -64,7 +77,7 @@ def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int =
                   f"  %is{r}_{v} = fadd {vt} %n{r}_{v}, %il{r}_{v}",
                   f"  store {vt} %is{r}_{v}, ptr %ip{r}_{v}, align {calign}"]
     lines += ["  ret void", "}"]
-    return "\n".join(lines)
+    return lines
 
 
 def index_table(name: str, values) -> str:
