@@ -26,9 +26,11 @@ from ..errors import InputError
 #: GEMM / direct-conv steps that run on the calling thread (``CompiledGemm.inline``) share their
 #: chunks with one helper thread (a pool worker running ``codegen.driver``'s ``apollo_help``)
 #: that joins the segment's call: the second core for steps too small for a pool dispatch.
-#: Off by default until measured on a quiet machine (``benchmarks/helper_ab.py``): on the shared
-#: 2-core box at load 16-17 MobileNetV3 took 1.03x and EfficientNet-B0 1.04-1.11x the time
-#: without it (no free core there; a caller waits for chunks of a descheduled helper)
+#: Off by default: on the quiet 2-core box (``benchmarks/helper_ab.py``, load 1.4) it took 0.95x
+#: (MobileNetV3) and 0.96x (EfficientNet-B0) the time without it, on the shared box at load
+#: 16-17 1.03x and 1.04-1.11x (no free core there; a caller waits for chunks of a descheduled
+#: helper).  Generated GEMMs claim their tiles from a counter of their own and run as one call
+#: (GemmStep.claims_tiles), so only direct convs share chunks with it.
 HELPER = False
 #: ... when they do at least this many flops or move this many bytes (GemmStep.work)
 HELPER_MIN_WORK = 1 << 20
