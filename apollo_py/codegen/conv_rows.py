@@ -351,7 +351,11 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> str:
 
 class CompiledConvRows:
     """Machine code of one row-reading conv: ``run(pool, w, x, operands, outputs)`` like
-    :class:`~apollo_py.codegen.gemm.CompiledGemm` (the weight is A, packed once)."""
+    :class:`~apollo_py.codegen.gemm.CompiledGemm` (the weight is A, packed once).  Never
+    ``inline``: its pad step and scratch run from Python on the pool (convs small enough for
+    the calling thread stay on the implicit GEMM, :func:`rows_reason`)."""
+
+    inline = False
 
     def __init__(self, desc, bl, lay: RowsLayout, geom: RowsGeom, engine, ir: str, main_params, pad, pack_a):
         self.desc, self.blocking, self.layout, self.geom = desc, bl, lay, geom

@@ -135,3 +135,16 @@ def test_other_convs_stay_on_implicit_gemm():
     finally:
         CR.ENABLED = True
     np.testing.assert_allclose(got, ort_run(m3, {"x": xv})[0], rtol=1e-4, atol=1e-4)
+
+
+def test_tuner_plan_steps_reads_a_row_reading_conv():
+    """The tuner's plan record (tuning/tuner.py ``plan_steps``) reads every generated GEMM's
+    blocking, layout and thread choice; a row-reading conv has them too (it never runs inline)."""
+    from apollo_py.tuning.tuner import plan_steps
+    m = conv_model((1, 8, 12, 12), (16, 8, 3, 3), pads=(1, 1, 1, 1), act="Relu")
+    x = np.random.default_rng(6).standard_normal((1, 8, 12, 12)).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    f(x=x)
+    assert "row-reading conv" in str(f.plan)
+    rows = plan_steps(f.specialization({"x": x.shape}))
+    assert any(r[-1] is False and len(r) >= 5 for r in rows if r[0] == "gemm"), rows
