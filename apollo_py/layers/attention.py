@@ -30,6 +30,31 @@ import numpy as np
 
 from ..ir.graph import Graph
 
+def _producers_and_readers(specs: list) -> tuple[dict, dict]:
+    """``(producer, readers)``: value -> index of the step writing it, value -> indices of the
+    steps reading it."""
+    producer = {v: i for i, s in enumerate(specs) for v in s.outputs}
+    readers: dict = {}
+    for q, s in enumerate(specs):
+        for v in s.inputs:
+            readers.setdefault(v, set()).add(q)
+    return producer, readers
+
+
+def _absorb(specs: list, k: int, d2, dropped: list, extra: tuple, why: str, readers: dict, gone: set) -> None:
+    """Replace attention step ``k`` by one computing ``d2`` that also does the work of steps
+    ``dropped`` (their nodes ``extra`` and micro-graphs join it); the dropped steps go to
+    ``gone`` and ``d2``'s inputs are recorded as read by step ``k``."""
+    from .steps import StepSpec
+    spec = specs[k]
+    ins = tuple(dict.fromkeys([d2.q_value, d2.k_value, d2.v_value, *(o.value for o in d2.operands)]))
+    mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in dropped))))
+    specs[k] = StepSpec(ins, spec.outputs, nodes=(*extra, *spec.nodes), reason=why, micro_graphs=mgs, gemm=d2)
+    for v in ins:
+        readers.setdefault(v, set()).add(k)
+    gone.update(dropped)
+
+
 def _nodes(spec) -> list:
     return list(spec.fused.nodes) if spec.fused is not None else list(spec.nodes)
 
@@ -211,10 +236,7 @@ def fold_attention(specs: list, graph: Graph, options) -> list:
         return list(specs)
     from .steps import StepSpec
     specs = list(specs)
-    readers: dict = {}
-    for q, s in enumerate(specs):
-        for v in s.inputs:
-            readers.setdefault(v, set()).add(q)
+    readers = _producers_and_readers(specs)[1]
     gone = set()
     for i in range(len(specs)):
         if i in gone or specs[i].gemm is None:
@@ -283,13 +305,8 @@ def fold_attention_prologues(specs: list, graph: Graph) -> list:
     step is gone.  Only where the scaled value is read by that attention alone."""
     from ..codegen.attention import AttentionDesc
     from ..codegen.gemm_views import OperandView
-    from .steps import StepSpec
     specs = list(specs)
-    producer = {v: i for i, s in enumerate(specs) for v in s.outputs}
-    readers: dict = {}
-    for q, s in enumerate(specs):
-        for v in s.inputs:
-            readers.setdefault(v, set()).add(q)
+    producer, readers = _producers_and_readers(specs)
     gone = set()
     for k, spec in enumerate(specs):
         d = spec.gemm
@@ -319,16 +336,11 @@ def fold_attention_prologues(specs: list, graph: Graph) -> list:
         if not changed:
             continue
         d2 = replace(d, **changed)
-        ins = tuple(dict.fromkeys([d2.q_value, d2.k_value, d2.v_value, *(o.value for o in d2.operands)]))
-        extra = tuple(n for j in dropped for n in specs[j].fused.nodes)
         why = spec.reason + "; scales " + ", ".join(
             f"{side.upper()} by {getattr(d2, side + '_scale'):.6g} while packing" for side in ("q", "k")
             if side + "_value" in changed)
-        mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in dropped))))
-        specs[k] = StepSpec(ins, spec.outputs, nodes=(*extra, *spec.nodes), reason=why, micro_graphs=mgs, gemm=d2)
-        for v in ins:
-            readers.setdefault(v, set()).add(k)
-        gone.update(dropped)
+        _absorb(specs, k, d2, dropped, tuple(n for j in dropped for n in specs[j].fused.nodes), why,
+                readers, gone)
     return [s for q, s in enumerate(specs) if q not in gone]
 
 
@@ -411,13 +423,8 @@ def fold_attention_views(specs: list, graph: Graph) -> list:
     strided view and an index table (repeated heads read the same matrix) instead.  A chain is
     folded only where its values are read by nothing else and the composed map is a strided
     view; anything else keeps its steps."""
-    from .steps import StepSpec
     specs = list(specs)
-    producer = {v: i for i, s in enumerate(specs) for v in s.outputs}
-    readers: dict = {}
-    for q, s in enumerate(specs):
-        for v in s.inputs:
-            readers.setdefault(v, set()).add(q)
+    producer, readers = _producers_and_readers(specs)
     gone: set = set()
     from ..codegen.attention import AttentionDesc
     for k, spec in enumerate(specs):
@@ -468,12 +475,7 @@ def fold_attention_views(specs: list, graph: Graph) -> list:
         if not changed:
             continue
         d2 = replace(d, **changed)
-        ins = tuple(dict.fromkeys([d2.q_value, d2.k_value, d2.v_value, *(o.value for o in d2.operands)]))
-        extra = tuple(n for j in sorted(dropped) for n in _nodes(specs[j]))
-        mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in dropped))))
         why = spec.reason + f"; reads Q/K/V through views ({len(dropped)} moving steps folded)"
-        specs[k] = StepSpec(ins, spec.outputs, nodes=(*extra, *spec.nodes), reason=why, micro_graphs=mgs, gemm=d2)
-        for v in ins:
-            readers.setdefault(v, set()).add(k)
-        gone.update(dropped)
+        _absorb(specs, k, d2, dropped, tuple(n for j in sorted(dropped) for n in _nodes(specs[j])), why,
+                readers, gone)
     return [s for q, s in enumerate(specs) if q not in gone]
