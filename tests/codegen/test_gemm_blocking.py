@@ -1,16 +1,19 @@
 """Blockings and paths of the generated GEMM (codegen/gemm.py) against numpy: A read direct
 or packed, full tiles written into the output or through the scratch and the epilogue, a
 partial row panel, several K and column blocks, one-vector NR, explicit Blocking fields."""
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from apollo_py.codegen import loopir as L
-from apollo_py.codegen.gemm import (Blocking, EpiOperand, blocking_for, compile_gemm, layout, matmul_desc,
-                                    plain_output, render_gemm)
-from apollo_py.ir.graph import Node
+from apollo_py.codegen.gemm import (Blocking, blocking_for, compile_gemm, layout, matmul_desc, plain_output,
+                                    render_gemm)
 from apollo_py.runtime.threadpool import ThreadPool
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_cases import matmul_case  # noqa: E402
 
 RTOL = 1e-4
 
@@ -23,20 +26,8 @@ def pool():
 
 
 def _check(pool, xs, ys, bl_kw, epilogue=False, seed=0):
-    rng = np.random.default_rng(seed)
-    x, y = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ys).astype(np.float32)
-    want = np.matmul(x.astype(np.float64), y.astype(np.float64))
-    kw = dict(outputs=("h",), out_dtypes=("float32",))
-    ops = []
-    if epilogue:    # bias + relu: not a plain product, every tile goes through the epilogue
-        bias = rng.standard_normal(want.shape[-1]).astype(np.float32)
-        kw = dict(nodes=(Node("add", ("h", "bias"), ("a",)), Node("max", ("a", "zero"), ("z",))),
-                  operands=(EpiOperand("bias", "float32", bias.shape),), outputs=("z",),
-                  out_dtypes=("float32",), node_dtypes=("float32",) * 2,
-                  inline_consts={"zero": L.Const(0.0, "float32")})
-        ops = [bias]
-        want = np.maximum(want + bias, 0)
-    d = matmul_desc("g", xs, ys, want.shape, "h", **kw)
+    # with the epilogue (bias + relu) not a plain product: every tile goes through the epilogue
+    d, x, y, ops, want = matmul_case(xs, ys, epilogue, seed)
     assert plain_output(d) is not epilogue
     bl = replace(blocking_for(d.m, d.n), **bl_kw)
     cg = compile_gemm(d, 2, bl)

@@ -1,16 +1,19 @@
 """The generated GEMM on several threads (codegen/gemm.py, gemm_ir.py): the calls claim tiles
 from a shared counter, the parallel split makes enough tiles for the threads, and the
 results match numpy whatever the number of threads, calls or concurrent callers."""
+import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from apollo_py.codegen import loopir as L
-from apollo_py.codegen.gemm import EpiOperand, blocking_for, compile_gemm, layout, matmul_desc
-from apollo_py.ir.graph import Node
+from apollo_py.codegen.gemm import blocking_for, compile_gemm, layout, matmul_desc
 from apollo_py.runtime.threadpool import ThreadPool
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_cases import matmul_case  # noqa: E402
 
 RTOL = 1e-4
 
@@ -24,21 +27,8 @@ def pools():
 
 
 def _case(xs, ys, const, epilogue, seed=0):
-    rng = np.random.default_rng(seed)
-    x, y = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ys).astype(np.float32)
-    want = np.matmul(x.astype(np.float64), y.astype(np.float64))
-    kw = dict(outputs=("h",), out_dtypes=("float32",))
-    ops = []
-    if epilogue:
-        bias = rng.standard_normal(want.shape[-1]).astype(np.float32)
-        kw = dict(nodes=(Node("add", ("h", "bias"), ("a",)), Node("max", ("a", "zero"), ("z",))),
-                  operands=(EpiOperand("bias", "float32", bias.shape),), outputs=("z",),
-                  out_dtypes=("float32",), node_dtypes=("float32",) * 2,
-                  inline_consts={"zero": L.Const(0.0, "float32")})
-        ops = [bias]
-        want = np.maximum(want + bias, 0)
-    d = replace(matmul_desc("g", xs, ys, want.shape, "h", **kw), b_const=const)
-    return d, x, y, ops, want
+    d, x, y, ops, want = matmul_case(xs, ys, epilogue, seed)
+    return replace(d, b_const=const), x, y, ops, want
 
 
 @pytest.mark.parametrize("xs,ys,const,epilogue", [
