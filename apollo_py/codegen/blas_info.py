@@ -6,7 +6,7 @@ numpy's PyPI wheels ship OpenBLAS built with ``DYNAMIC_ARCH``: it picks a kernel
 when it loads, unless ``OPENBLAS_CORETYPE`` forces one (this project's dev box sets
 ``Haswell``: AVX2, 8 floats, on an AVX-512 CPU).  ``openblas_get_corename`` says which.
 Bottom-layer module (ctypes only): the runtime's cblas binding (runtime/blas.py) finds the
-library through :func:`candidate_libraries` too.
+library through :func:`loaded_libraries` too.
 """
 from __future__ import annotations
 
@@ -32,15 +32,21 @@ def candidate_libraries() -> list[str]:
     return names
 
 
+def loaded_libraries():
+    """The libraries of :func:`candidate_libraries` that load (``ctypes.CDLL`` handles), in
+    order; one that fails to load is passed over."""
+    for path in candidate_libraries():
+        try:
+            yield ctypes.CDLL(path)
+        except OSError:
+            continue
+
+
 @functools.lru_cache(maxsize=1)
 def blas_core() -> str:
     """The OpenBLAS core name of numpy's BLAS (lower case, e.g. ``"haswell"``), or "" where
     it cannot be asked (another BLAS, no library found)."""
-    for path in candidate_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in loaded_libraries():
         for sym in _CORENAME:
             fn = getattr(lib, sym, None)
             if fn is not None:

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from ..codegen.blas_info import candidate_libraries
+from ..codegen.blas_info import loaded_libraries
 from ..errors import InputError
 from ..layers.blas_fold import BlasDesc
 
@@ -63,11 +63,7 @@ def cblas() -> Cblas | None:
 
 
 def _find() -> Cblas | None:
-    for path in candidate_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in loaded_libraries():
         for fmt, itype in _FLAVOURS:
             if hasattr(lib, fmt.format("sgemm")) and hasattr(lib, fmt.format("dgemm")):
                 return Cblas(lib, fmt, itype)
@@ -95,11 +91,7 @@ class OneBlasThread:
         self._depth = 0
         self._saved = 0
         self._get = self._set = None
-        for path in candidate_libraries():
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
+        for lib in loaded_libraries():
             for fmt in _THREAD_FNS:
                 g, st = getattr(lib, fmt.format("get_num_threads"), None), getattr(lib, fmt.format("set_num_threads"), None)
                 if g is not None and st is not None:

@@ -64,7 +64,7 @@ def test_executable_with_a_blas_step(two_threads):
 
 
 def test_a_library_without_the_symbols_is_left_alone(monkeypatch):
-    monkeypatch.setattr("apollo_py.runtime.blas.candidate_libraries", lambda: [])
+    monkeypatch.setattr("apollo_py.runtime.blas.loaded_libraries", lambda: iter(()))
     o = OneBlasThread()
     assert not o.available
     with o:
