@@ -552,6 +552,10 @@ class CompiledGemm:
     kernel over its tiles; ``ir`` is the optimised module text.
     """
 
+    #: the main kernel's last argument is the tile counter its calls claim tiles from
+    #: (codegen/gemm_ir.py): a caller runs it as one call of the whole tile range, never in chunks
+    claims_tiles = True
+
     def __init__(self, desc: GemmDesc, bl: Blocking, lay: GemmLayout, engine, ir: str,
                  main_params: tuple, pack_b: Optional[L.Kernel] = None, pack_a: Optional[L.Kernel] = None):
         self.desc, self.blocking, self.layout = desc, bl, lay

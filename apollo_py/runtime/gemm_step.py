@@ -131,11 +131,9 @@ class GemmStep:
     @property
     def claims_tiles(self) -> bool:
         """True when the kernel claims its tiles from a counter argument (the generated GEMM,
-        codegen/gemm_ir.py) instead of taking a range of them: the driver runs it as one call
-        of the whole range, never in chunks."""
-        kernel = getattr(self.compiled, "main", None)
-        params = getattr(kernel, "params", ()) if kernel is not None else ()
-        return bool(params) and params[-1].name == "tile_counter"
+        ``CompiledGemm.claims_tiles``) instead of taking a range of them: the driver runs it as
+        one call of the whole range, never in chunks."""
+        return getattr(self.compiled, "claims_tiles", False)
 
     def work(self) -> int:
         """The larger of the step's flops and the bytes its kernel moves at least."""
