@@ -11,8 +11,10 @@ import tempfile
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically; OSError (and no stray temp file) on failure."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+    """Write ``data`` to ``path`` atomically; OSError (and no stray temp file) on failure.  The
+    temporary file is named ``.tmp-<pid>-*`` so that a parent that had to kill a writing child
+    can remove what it left (:func:`remove_temps_of`)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".tmp-{os.getpid()}-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -23,6 +25,22 @@ def atomic_write(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def remove_temps_of(directory: str, pid: int) -> list[str]:
+    """Delete the ``atomic_write`` temporaries that process ``pid`` left anywhere under
+    ``directory`` (call it only once ``pid`` is dead: a killed child's half-written files);
+    returns the paths deleted."""
+    prefix, gone = f".tmp-{pid}-", []
+    for dirpath, _, files in os.walk(directory):
+        for f in files:
+            if f.startswith(prefix):
+                try:
+                    os.unlink(os.path.join(dirpath, f))
+                    gone.append(os.path.join(dirpath, f))
+                except OSError:
+                    pass
+    return gone
 
 
 def files_digest(paths) -> str:

@@ -55,7 +55,10 @@ def _want(x):
 
 
 def _assert_cache_clean(root):
-    """No temp file, and every piece is a complete entry whose checksum matches."""
+    """No temp file, and every piece is a complete entry whose checksum matches (once this
+    process's background packed-weight writer, a forked child, has finished)."""
+    from apollo_py.frontend import packed_store
+    packed_store.wait()
     for dirpath, _, files in os.walk(root):
         for f in files:
             assert not f.startswith(".tmp-"), os.path.join(dirpath, f)

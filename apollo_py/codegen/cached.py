@@ -310,14 +310,16 @@ def share_with_child(items: Sequence, fn, cache_dir: str | None) -> dict:
         for i in range(0, len(items), 2):
             out[i] = fn(items[i])
     finally:
-        _reap(pid, time.monotonic() + 2 * (time.monotonic() - started) + 5)
+        if not _reap(pid, time.monotonic() + 2 * (time.monotonic() - started) + 5):
+            from ..fsutil import remove_temps_of
+            remove_temps_of(cache_dir, pid)     # a piece it was writing when it was killed
     return out
 
 
-def _reap(pid: int, deadline: float) -> None:
+def _reap(pid: int, deadline: float) -> bool:
     """Wait for forked child ``pid`` until ``deadline`` (time.monotonic), then kill it: a
     child still working then is stuck (an LLVM lock another thread held at the fork), and its
-    share is compiled by the caller instead."""
+    share is compiled by the caller instead.  False when it had to be killed."""
     import signal
     import time
     while True:
@@ -328,3 +330,4 @@ def _reap(pid: int, deadline: float) -> None:
     if not done:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    return bool(done)

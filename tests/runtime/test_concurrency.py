@@ -119,3 +119,33 @@ def test_two_processes_compile_into_one_cache_dir(tmp_path):
     assert keys and not stray, stray
     fresh = PieceCache(cache)
     assert all(fresh.get(k) is not None for k in keys)    # every entry reads back checksummed
+
+
+def test_a_killed_compile_child_leaves_no_temporary(tmp_path, monkeypatch):
+    """``share_with_child`` kills a child that overruns its deadline (a stuck LLVM lock); the
+    piece it was writing then stays a ``.tmp-<pid>-*`` file, which the parent removes -- and
+    only that child's, not another writer's."""
+    import time
+    from apollo_py import fsutil
+    from apollo_py.codegen import cached
+    cache = tmp_path / "cache"
+    (cache / "pieces" / "ab").mkdir(parents=True)
+    other = cache / "pieces" / "ab" / ".tmp-1-other"       # another process, still writing
+    other.write_bytes(b"x")
+
+    def fn(i):
+        if os.getpid() != parent:                    # the child: a temp file, then stuck
+            fsutil.atomic_write(str(cache / "pieces" / "ab" / "ok.bin"), b"done")
+            (cache / "pieces" / "ab" / f".tmp-{os.getpid()}-half").write_bytes(b"half")
+            time.sleep(60)
+        return i
+
+    parent = os.getpid()
+    monkeypatch.setattr(cached, "PARALLEL_MIN", 2)
+    monkeypatch.setattr(cached, "_cores", lambda: 2)
+    real_reap = cached._reap
+    monkeypatch.setattr(cached, "_reap", lambda pid, deadline: real_reap(pid, time.monotonic() + 1.0))
+    got = cached.share_with_child([0, 1], fn, str(cache))
+    assert got == {0: 0}
+    left = sorted(p.name for p in (cache / "pieces" / "ab").iterdir())
+    assert left == [".tmp-1-other", "ok.bin"], left
