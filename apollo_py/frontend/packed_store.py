@@ -39,6 +39,10 @@ PAGE = 4096
 #: what this process did: buffers mapped from a file, operands packed for storing, files written
 STATS = {"mapped": 0, "packed": 0, "written": 0}
 
+#: a warm load that finds no file but another process's writer still writing it waits this long
+#: for the file (packing GPT-2's weights takes ~0.5 s, its writer ~0.35 s) before packing itself
+WAIT_S = 1.0
+
 _WRITERS: list[threading.Thread] = []     # writer threads (where fork is missing)
 _CHILDREN: list[int] = []                   # writer processes not reaped yet
 
@@ -93,6 +97,8 @@ def load(exe, path: str) -> int:
     items = list(const_operands(exe))
     if not items:
         return 0
+    if not os.path.exists(path):
+        wait_for_writer(path, WAIT_S)
     by_key, mm, start, size = {}, b"", 0, 0
     try:
         with open(path, "rb") as f:
@@ -171,10 +177,44 @@ def store(exe, path: str, background: bool = True) -> bool:
     return True
 
 
-def _write(path: str, head: bytes, bufs) -> bool:
-    """Write the file (a temporary file in the same folder, renamed over ``path``)."""
+def _temp_prefix(path: str, pid: int | str) -> str:
+    return f".tmp-{pid}-{os.path.basename(path)}-"
+
+
+def wait_for_writer(path: str, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` while a live process's temporary file for ``path`` exists and
+    ``path`` itself does not (the cold process's background writer, still writing); True once
+    ``path`` exists."""
+    import time
+    folder, deadline = os.path.dirname(path) or ".", time.monotonic() + timeout_s
+    tail = os.path.basename(path) + "-"
+    while not os.path.exists(path):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return False
+        writers = [n[5:].split("-", 1)[0] for n in names if n.startswith(".tmp-") and tail in n]
+        if not any(_alive(w) for w in writers) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _alive(pid: str) -> bool:
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write(path: str, head: bytes, bufs) -> bool:
+    """Write the file (a temporary file ``.tmp-<pid>-<name>-*`` in the same folder, renamed over
+    ``path``; a warm load finding it waits for it: :func:`wait_for_writer`)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=_temp_prefix(path, os.getpid()))
     except OSError:
         return False
     try:

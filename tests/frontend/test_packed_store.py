@@ -242,3 +242,27 @@ def test_a_process_does_not_wait_for_the_packed_write_at_exit(tmp_path):
         time.sleep(0.1)
     (packed,) = (cache / "models").glob("*.packed")
     assert packed.read_bytes()[:16] == packed_store.MAGIC
+
+
+def test_a_warm_load_waits_for_a_live_writer_only(tmp_path):
+    """A warm process that finds the writer's temporary file (``.tmp-<pid>-<name>-*``) of a live
+    process waits for the packed file instead of packing the weights itself; a dead writer's
+    leftover (or none) does not hold it up."""
+    import os
+    import threading
+    import time
+    path = str(tmp_path / "k.packed")
+    dead = tmp_path / f".tmp-{2 ** 22 + 12345}-k.packed-x"       # no such pid (above pid_max)
+    dead.write_bytes(b"")
+    t0 = time.perf_counter()
+    assert not packed_store.wait_for_writer(path, 5.0)
+    assert time.perf_counter() - t0 < 1.0
+    (tmp_path / f".tmp-{os.getpid()}-k.packed-y").write_bytes(b"")     # a live writer
+    threading.Timer(0.3, lambda: open(path, "wb").close()).start()
+    t0 = time.perf_counter()
+    assert packed_store.wait_for_writer(path, 5.0)
+    assert 0.25 < time.perf_counter() - t0 < 4.0
+    os.unlink(path)
+    t0 = time.perf_counter()        # a live writer that never finishes: bounded by the timeout
+    assert not packed_store.wait_for_writer(path, 0.2)
+    assert time.perf_counter() - t0 < 1.5
