@@ -42,7 +42,7 @@ import numpy as np
 
 from ..errors import ApolloError
 from ..options import Options
-from . import db
+from . import db, load
 from .space import GEMM_ROUNDS, gemm_candidates
 
 #: a candidate must beat the piece's best time by this fraction to replace it
@@ -78,6 +78,8 @@ class TuneResult:
     confirm_ratio: float | None = None      # default / tuned whole-run time, interleaved (> 1: faster)
     rejected: dict = field(default_factory=dict)    # decisions dropped: not confirmed, or the whole was not faster
     slower_rounds: list = field(default_factory=list)   # rounds whose whole run was slower: not used
+    load: dict = field(default_factory=dict)    # what other processes took while it timed (tuning/load.py)
+    refused: str = ""       # why no decision was stored (the machine was busy), "" when stored
 
     @property
     def changed(self) -> dict:
@@ -96,7 +98,8 @@ class TuneResult:
                 + (f"; interleaved check {self.confirm_ratio:.2f}x" if self.confirm_ratio else "")
                 + (f", {len(self.rejected)} decisions dropped" if self.rejected else "")
                 + f"); pieces {what or 'none'}; "
-                f"{len(self.rounds)} rounds" + (f", skipped (budget): {', '.join(self.skipped)}" if self.skipped
+                + (f"NOT STORED: {self.refused}; " if self.refused else "")
+                + f"{len(self.rounds)} rounds" + (f", skipped (budget): {', '.join(self.skipped)}" if self.skipped
                                                  else "") + f"; decisions in {self.db}")
 
 
@@ -267,7 +270,7 @@ def _bar(total: int, what: str, enabled):
 
 def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget: float | None = None,
                repeat: int = 7, progress: bool | None = None,
-               on_round: Callable[[str, int], None] | None = None) -> TuneResult:
+               on_round: Callable[[str, int], None] | None = None, allow_load: bool = False) -> TuneResult:
     """Tune ``graph`` (static shapes) on ``feeds`` (default: :func:`random_feeds`) and store the
     decisions in ``options``' tuning database for this machine; see the module docs.
 
@@ -275,7 +278,11 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     spent plus the previous round's time is within it (the first and the final measurement
     always run, so a tuning may overrun its budget by about one round).  ``repeat``: profiled runs per
     round (medians).  ``progress``: a tqdm bar on stderr (None: only on a terminal).
-    ``on_round(name, pieces)`` is called before each round.  Returns a :class:`TuneResult`.
+    ``on_round(name, pieces)`` is called before each round.  ``allow_load``: store the
+    decisions even when other processes took more than ``load.MAX_OTHERS_SHARE`` of the cores
+    while it timed (by default they are refused with a warning, and the pieces are stored with
+    the compiler's defaults, so ``Options(tune="tune")`` does not tune again at every call).
+    Every record carries the load it was timed under (``"load"``).  Returns a :class:`TuneResult`.
     """
     if options.target != "cpu":
         raise ApolloError(f"tuning times CPU kernels; Options.target is {options.target!r}")
@@ -284,6 +291,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     budget = options.tune_budget if budget is None else budget
     feeds = dict(feeds) if feeds is not None else random_feeds(graph)
     t_start = time.perf_counter()
+    window = load.start()
     tmpdir = tempfile.mkdtemp(prefix="apollo_py_tune_")
     cand_db = os.path.join(tmpdir, "candidates.json")
     name = options.model_name or graph.name or "model"
@@ -476,6 +484,17 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                 best = {k: {} for k in best}
                 best_s.update(default_s)
                 final = run_round("final", {}, 0)
+        result.load = window.stop()
+        refused = "" if allow_load else load.too_busy(result.load)
+        if refused:
+            # decisions follow the load they were timed under: store none of them
+            import warnings
+            warnings.warn(f"apollo_py tune {name}: {refused}", RuntimeWarning, stacklevel=2)
+            result.refused = refused
+            result.rejected.update(decided())
+            best = {k: {} for k in best}
+            best_s.update(default_s)
+            final = m0
     finally:
         if bar is not None:
             bar.close()
@@ -494,7 +513,8 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         pred = final.predicted(mgs) if mgs else final.predicted_steps(idx) if idx else None
         result.records[k] = {"kind": kinds[k], "decision": best[k], "tuned_s": round(best_s[k], 9),
                              "default_s": round(default_s[k], 9), "candidates": cands[k], "model": name,
-                             "date": date, **({"predicted_s": round(pred, 9)} if pred is not None else {})}
+                             "date": date, "load": result.load, **({"refused": result.refused} if result.refused else {}),
+                             **({"predicted_s": round(pred, 9)} if pred is not None else {})}
     db.write(result.db, result.records)
     _log(options, result)
     return result

@@ -74,6 +74,7 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     monkeypatch.setattr(T, "MIN_GAIN", -1e9)
     monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
     monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", 1e9)      # the shared box may be busy: store anyway
     # one candidate of each kind is enough to replay (the full lists: test_gemm_candidates_...)
     monkeypatch.setattr(T, "TILE_CANDIDATES", ((16,),))
     monkeypatch.setattr(T, "PARTS_CANDIDATES", (1,))
@@ -279,3 +280,47 @@ def test_cost_corrections_recalibrate_layer3(tmp_path):
     db.write_corrections(ap.Options(cache_dir=str(tmp_path)), {"kernel": 1e-6}, {"kernel": 4})
     assert groups() == [4]
     assert groups(tune="off") == [1, 1, 1, 1]       # "off" ignores the corrections too
+
+
+def test_decisions_timed_on_a_busy_machine_are_refused(tmp_path, monkeypatch):
+    """Other processes held the cores while the tuner timed (here: any share counts as too
+    much): no decision is stored, the pieces keep the defaults, the records say why and carry
+    the load, and a warning says it; ``allow_load=True`` stores them anyway."""
+    import apollo_py.tuning.tuner as T
+    monkeypatch.setattr(T, "MIN_GAIN", -1e9)
+    monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
+    monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    monkeypatch.setattr(T, "TILE_CANDIDATES", ())
+    monkeypatch.setattr(T, "PARTS_CANDIDATES", (1,))
+    monkeypatch.setattr(T, "GEMM_ROUNDS", ("threads",))
+    monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", -1.0)
+    opts = _opts(tmp_path)
+    with pytest.warns(RuntimeWarning, match="none were stored"):
+        res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False)
+    assert res.refused and "tune again on a quiet machine" in res.refused and not res.changed and res.rejected
+    pieces = json.load(open(res.db))["machines"][db.machine_key()]["pieces"]
+    assert pieces and all(r["decision"] == {} and r["refused"] for r in pieces.values())
+    ev = next(iter(pieces.values()))["load"]
+    assert ev["others_share"] is not None and ev["cpus"] >= 1 and len(ev["loadavg"]) == 2
+    assert "NOT STORED" in res.summary()
+    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False, allow_load=True)
+    assert not res.refused and res.changed
+    assert all("refused" not in r for r in json.load(open(res.db))["machines"][db.machine_key()]["pieces"].values())
+
+
+def test_the_load_window_counts_other_processes_not_this_one():
+    """A busy process that is not this one (nor a child it waited for) shows in
+    ``others_share``."""
+    import time
+    from apollo_py.tuning import load as L
+    if L._cpu_busy() is None:
+        pytest.skip("no /proc/stat")
+    total = os.cpu_count() or 1
+    w = L.start()
+    # a grandchild (the shell exits at once): its CPU time is not in this process's os.times()
+    subprocess.run(["sh", "-c", f"{sys.executable} -c 'import time; t = time.time()\n"
+                                "while time.time() - t < 1.5: pass' >/dev/null 2>&1 &"], check=True)
+    time.sleep(1.6)
+    ev = w.stop()
+    assert ev["others_share"] >= 0.6 / total, ev
+    assert L.too_busy({**ev, "others_share": 0.9}, 0.25) and not L.too_busy({**ev, "others_share": 0.1}, 0.25)
