@@ -2,7 +2,7 @@
 
 Each candidate changes one thing of the piece's current decision (coordinate descent: a round
 applies candidate ``label`` to every piece that has one, on top of what that piece has won so
-far): a :class:`~apollo_py.codegen.gemm.Blocking` field (``mr``, ``nr``, ``kc``,
+far): a :class:`~apollo_py.codegen.gemm.Blocking` field (``mr``, ``nr``, ``vl``, ``kc``,
 ``b_block_bytes``, ``max_panels``, ``direct_a``; ``tiles_per_thread`` where this version's
 Blocking has it: how finely :func:`gemm.layout` splits a matmul for the threads) or the thread
 count (one thread: the calling thread runs every tile; two: the pool runs them although the
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 #: round labels, in the order they are tried
-GEMM_ROUNDS = ("threads", "mr", "nr", "kc-", "kc+", "direct_a", "tiles-", "tiles+", "panels-", "panels+",
+GEMM_ROUNDS = ("threads", "mr", "nr", "vl", "kc-", "kc+", "direct_a", "tiles-", "tiles+", "panels-", "panels+",
                "bblock-", "bblock+")
 
 
@@ -54,6 +54,10 @@ def gemm_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
         offer("mr", mr=alt_mr)
     if desc.n > bl.vl:
         offer("nr", nr=bl.vl if bl.nr > bl.vl else 2 * bl.vl)
+    if bl.vl == 16:
+        # 8-wide vectors (half a zmm: on AVX-512 hosts, 12 x 16 = 24 ymm accumulators, or one
+        # ymm of columns where that pads N less, e.g. N 49: 56 columns instead of 64)
+        offer("vl", vl=8, nr=8 if -(-desc.n // 8) * 8 < -(-desc.n // 16) * 16 else 16)
     nk, kcb = k_blocks(desc.k, bl.kc)
     if kcb > 64:
         offer("kc-", kc=max(64, bl.kc // 2))

@@ -199,6 +199,8 @@ def test_gemm_candidates_change_the_code_or_tiles():
     for d in (mm, conv):
         cands = gemm_candidates(d, {}, 2)
         assert {"threads", "mr", "nr", "kc-", "kc+"} <= set(cands) <= set(GEMM_ROUNDS), cands
+        if default_blocking(d).vl == 16:    # AVX-512: 8-wide vectors (N 196: 8 columns pad to 200, not 208)
+            assert cands["vl"]["blocking"] == {"vl": 8, "nr": 16 if d is mm else 8}, cands["vl"]
         base = default_blocking(d), layout(d, default_blocking(d), 2)
         for label, dec in cands.items():
             bl, one = tuned_blocking(d, dec)
