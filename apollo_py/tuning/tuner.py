@@ -43,6 +43,7 @@ import numpy as np
 from ..errors import ApolloError
 from ..options import Options
 from . import db, load
+from .kernels import kernel_code_candidates
 from .space import GEMM_ROUNDS, gemm_candidates
 
 #: a candidate must beat the piece's best time by this fraction to replace it
@@ -53,6 +54,8 @@ SLOWER_ROUND = 0.05
 TILE_CANDIDATES = ((16,), (64,), (8, 64))
 #: chunk counts tried for every parallel kernel
 PARTS_CANDIDATES = (1, 2, 4)
+#: code candidates of layer-1 kernels (tuning/kernels.py), in this order
+KERNEL_ROUNDS = ("vector 256", "parallel dim 1")
 #: whether a generated GEMM may be flipped to BLAS (BLAS -> generated is always tried).  Off:
 #: on the shared 2-core box DLRM's two flipped GEMMs measured faster in the tuner's process
 #: (55 vs 68 us), while in a process that also ran generated GEMMs on apollo's pool each
@@ -125,9 +128,15 @@ class _Measurement:
         self.stitches = {stitch_key(g, self.mgs, types): g for g in stitch_groups(self.mgs, types) if len(g) > 1}
         from ..runtime.cpu import KernelStep
         self.kernels: dict[str, list[int]] = {}
+        self.all_kernels: dict[str, list[int]] = {}     # every layer-1 kernel (code decisions)
+        self.fused: dict[str, object] = {}
         for i, s in enumerate(exe.steps):
-            if isinstance(s, KernelStep) and s.fused is not None and (s.compiled.parallel_extent or 0) > 1:
-                self.kernels.setdefault(db.kernel_key(s.fused, types), []).append(i)
+            if isinstance(s, KernelStep) and s.fused is not None:
+                k = db.kernel_key(s.fused, types)
+                self.all_kernels.setdefault(k, []).append(i)
+                self.fused.setdefault(k, s.fused)
+                if (s.compiled.parallel_extent or 0) > 1:
+                    self.kernels.setdefault(k, []).append(i)
         index = self._index = {id(s): i for i, s in enumerate(exe.steps)}
         keyed = {id(s): db.kernel_key(s.fused, types) for s in exe.steps if isinstance(s, KernelStep)}
         self.runs: dict[str, list[int]] = {}
@@ -311,7 +320,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cands: dict[str, dict] = {}
     kinds: dict[str, str] = {}
     result = TuneResult(model=name, default_s=0.0, tuned_s=0.0, db=db.db_path(options))
-    bar = _bar(10 + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
+    bar = _bar(10 + len(KERNEL_ROUNDS) + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
                else options.progress)
     last_round = [0.0]
     ref_total = [float("inf")]     # whole-run time of the last reference round
@@ -447,6 +456,26 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                         g = ("mgs", groups[k])
                         note(k, "group", f"tiles={list(tiles)}", tref[k] * m.pair_ratio(g, g), cand[k])
         base = run_round("rebaseline", decided(), 0) or base
+        # layer-1 kernels' code: vector width, parallel dim (tuning/kernels.py), heaviest first
+        kref = {k: base.steps_time(idx) for k, idx in base.all_kernels.items()}
+        for k in kref:
+            note(k, "kernel", "default", kref[k], {})
+        kfocus = _heaviest(kref, base.total)
+        kbase = base
+        for label in KERNEL_ROUNDS:
+            cand = {}
+            for k in kfocus:
+                c = kernel_code_candidates(kbase.fused[k]).get(label)
+                if c is not None:
+                    cand[k] = {**best.get(k, {}), **c}
+            if not cand:
+                continue
+            m = run_round(label, {**decided(), **cand}, len(cand), ref=kbase)
+            if m is not None:
+                for k in cand:
+                    if k in m.all_kernels:
+                        note(k, "kernel", label, kref[k] * m.pair_ratio(kbase.all_kernels[k], m.all_kernels[k]),
+                             cand[k])
         # recalibrate the cost model before the runtime rounds, so that layer 3's groups in
         # them (and in every later compile) are the ones the corrected model makes
         _recalibrate(options, base)
@@ -454,16 +483,17 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         # runtime: chunks per parallel kernel, then layer 3's grouping per run
         for k, idx in base.kernels.items():
             note(k, "kernel", "default", base.steps_time(idx), {})
+        pref = {k: best_s[k] for k in base.kernels}     # each piece's time in base's plan
         for p in PARTS_CANDIDATES:
-            cand = {k: {"parts": p} for k in base.kernels}
+            cand = {k: {**best.get(k, {}), "parts": p} for k in base.kernels}
             if not cand:
                 break
             m = run_round(f"parts {p}", {**decided(), **cand}, len(cand), ref=base)
             if m is not None:
                 for k in base.kernels:
                     if k in m.kernels:
-                        note(k, "kernel", f"parts={p}", default_s[k] * m.pair_ratio(base.kernels[k], m.kernels[k]),
-                             {"parts": p})
+                        note(k, "kernel", f"parts={p}", pref[k] * m.pair_ratio(base.kernels[k], m.kernels[k]),
+                             cand[k])
         for k, idx in base.runs.items():
             note(k, "run", "default", base.steps_time(idx), {})
         if base.runs:
@@ -509,7 +539,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     date = db.stamp()
     for k in best:
         mgs = groups.get(k) or m0.stitches.get(k)
-        idx = final.kernels.get(k) or final.runs.get(k) or final.gemms.get(k)
+        idx = final.all_kernels.get(k) or final.runs.get(k) or final.gemms.get(k)
         pred = final.predicted(mgs) if mgs else final.predicted_steps(idx) if idx else None
         result.records[k] = {"kind": kinds[k], "decision": best[k], "tuned_s": round(best_s[k], 9),
                              "default_s": round(default_s[k], 9), "candidates": cands[k], "model": name,
@@ -570,7 +600,9 @@ def plan_steps(exe) -> list:
         d = spec.to_dict()
         row = [d["kind"], d.get("ops")]
         if isinstance(s, KernelStep):
-            row += [list(s.fused.tile_sizes), _parts(s, exe.machine)]
+            k = getattr(s.compiled, "kernel", None)     # its code decisions (tuning/kernels.py)
+            row += [list(s.fused.tile_sizes), _parts(s, exe.machine), getattr(k, "vector_width", None),
+                    getattr(k, "parallel_var", None)]
         cg = getattr(s, "compiled", None)
         if getattr(cg, "blocking", None) is not None:       # a generated GEMM: blocking, tiles, threads
             import dataclasses
