@@ -43,8 +43,9 @@ import numpy as np
 from ..errors import ApolloError
 from ..options import Options
 from . import db, load
+from .convs import CONV_ROUNDS, direct_candidates
 from .kernels import kernel_code_candidates
-from .space import GEMM_ROUNDS, gemm_candidates
+from .space import GEMM_ROUNDS, gemm_candidates, rows_candidates
 
 #: a candidate must beat the piece's best time by this fraction to replace it
 MIN_GAIN = 0.05
@@ -56,12 +57,14 @@ TILE_CANDIDATES = ((16,), (64,), (8, 64))
 PARTS_CANDIDATES = (1, 2, 4)
 #: code candidates of layer-1 kernels (tuning/kernels.py), in this order
 KERNEL_ROUNDS = ("vector 256", "parallel dim 1")
-#: whether a generated GEMM may be flipped to BLAS (BLAS -> generated is always tried).  Off:
-#: on the shared 2-core box DLRM's two flipped GEMMs measured faster in the tuner's process
+#: whether a generated GEMM may be flipped to BLAS (BLAS -> generated is always tried).  It was
+#: off: on the shared 2-core box DLRM's two flipped GEMMs measured faster in the tuner's process
 #: (55 vs 68 us), while in a process that also ran generated GEMMs on apollo's pool each
-#: OpenBLAS call took 135-210 ms (its threads spin and yield; load 15), the model 40x slower --
-#: a hazard a per-process measurement does not see (layers/gemm_lowering.py has the same story)
-TRY_BLAS = False
+#: OpenBLAS call took 135-210 ms (its threads spin and yield; load 15), the model 40x slower.
+#: Since then every run of a plan with BLAS steps holds OpenBLAS at one thread
+#: (runtime/blas.py: OneBlasThread), so the tuner's runs and later ones see the same BLAS, and a
+#: flip must also survive a "blas confirm" round (piece and whole run, paired)
+TRY_BLAS = True
 
 
 @dataclass
@@ -146,12 +149,25 @@ class _Measurement:
         from ..runtime.gemm_step import gemm_key
         self.gemms: dict[str, list[int]] = {}
         self.gemm_descs: dict[str, object] = {}
+        self.rows: set = set()
         for i, s in enumerate(exe.steps):
             cg = getattr(s, "compiled", None)
             if type(s).__name__ == "GemmStep" and getattr(cg, "blocking", None) is not None:
                 k = gemm_key(cg.desc)
                 self.gemms.setdefault(k, []).append(i)
                 self.gemm_descs[k] = cg.desc
+                if type(cg).__name__ == "CompiledConvRows":     # its own candidates (space.rows_candidates)
+                    self.rows.add(k)
+        # direct convs (tuning/convs.py)
+        from .convs import direct_key
+        self.dconvs: dict[str, list[int]] = {}
+        self.dconv_of: dict[str, object] = {}
+        for i, s in enumerate(exe.steps):
+            cg = getattr(s, "compiled", None)
+            if type(cg).__name__ == "CompiledDirectConv":
+                k = direct_key(cg.desc)
+                self.dconvs.setdefault(k, []).append(i)
+                self.dconv_of.setdefault(k, cg)
 
     def run_steps(self, feeds) -> list[float]:
         """One traced run: seconds per step (a layer-3 group's time shared as in ``step_s``)."""
@@ -320,7 +336,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cands: dict[str, dict] = {}
     kinds: dict[str, str] = {}
     result = TuneResult(model=name, default_s=0.0, tuned_s=0.0, db=db.db_path(options))
-    bar = _bar(10 + len(KERNEL_ROUNDS) + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
+    bar = _bar(10 + len(KERNEL_ROUNDS) + len(CONV_ROUNDS) + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
                else options.progress)
     last_round = [0.0]
     ref_total = [float("inf")]     # whole-run time of the last reference round
@@ -332,7 +348,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         paired ratios, and so is the whole run (``whole``: a round whose whole run is slower
         than ``ref``'s is not used)."""
         elapsed = time.perf_counter() - t_start
-        if label not in ("default", "final", "gemm confirm") and elapsed + last_round[0] > budget:
+        if label not in ("default", "final", "gemm confirm", "blas confirm") and elapsed + last_round[0] > budget:
             result.skipped.append(label)
             return None
         if on_round:
@@ -403,6 +419,20 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                 for k, d in flips.items():
                     g = ("mgs", groups[k])
                     note(k, "group", f"gemm={d['gemm']}", default_s[k] * m.pair_ratio(g, g), dict(d))
+            # a generated -> BLAS flip is kept only if a second paired round of every decision so
+            # far finds the piece still MIN_GAIN faster *and* the whole run not slower: BLAS's
+            # cost depends on what else the process runs (OpenBLAS's threads beside the pool;
+            # runs hold it at one thread since runtime/blas.py's OneBlasThread)
+            to_blas = [k for k, d in flips.items() if d["gemm"] == "blas" and best.get(k)]
+            if to_blas:
+                m = run_round("blas confirm", decided(), len(to_blas), ref=base)
+                for k in to_blas:
+                    g = ("mgs", groups[k])
+                    r = m.pair_ratio(g, g) if m is not None else 1.0
+                    cands[k]["blas confirm"] = round(default_s[k] * r, 9)
+                    if r > 1 - MIN_GAIN:
+                        result.rejected[k] = best[k]
+                        best[k], best_s[k] = {}, default_s[k]
         # generated GEMM / implicit-GEMM conv: blocking, tile split, threads (tuning/space.py)
         gbase = run_round("rebaseline", decided(), 0) if decided() else base
         gbase = gbase or base
@@ -414,7 +444,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
             cand = {}
             for k in focus:
                 d = gbase.gemm_descs[k]
-                c = gemm_candidates(d, best.get(k, {}), threads).get(label)
+                c = (rows_candidates if k in gbase.rows else gemm_candidates)(d, best.get(k, {}), threads).get(label)
                 if c is not None:
                     cand[k] = c
             if not cand:
@@ -476,6 +506,25 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                     if k in m.all_kernels:
                         note(k, "kernel", label, kref[k] * m.pair_ratio(kbase.all_kernels[k], m.all_kernels[k]),
                              cand[k])
+        # direct convs: flat or row form, threads (tuning/convs.py), heaviest first
+        cref = {k: base.steps_time(idx) for k, idx in base.dconvs.items()}
+        for k in cref:
+            note(k, "conv", "default", cref[k], {})
+        cfocus = _heaviest(cref, base.total)
+        for label in CONV_ROUNDS:
+            cand = {}
+            for k in cfocus:
+                cg = kbase.dconv_of[k]
+                c = direct_candidates(cg.desc, best.get(k, {}), bool(cg.inline), threads).get(label)
+                if c is not None:
+                    cand[k] = c
+            if not cand:
+                continue
+            m = run_round(label, {**decided(), **cand}, len(cand), ref=kbase)
+            if m is not None:
+                for k in cand:
+                    if k in m.dconvs:
+                        note(k, "conv", label, cref[k] * m.pair_ratio(kbase.dconvs[k], m.dconvs[k]), cand[k])
         # recalibrate the cost model before the runtime rounds, so that layer 3's groups in
         # them (and in every later compile) are the ones the corrected model makes
         _recalibrate(options, base)
@@ -539,7 +588,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     date = db.stamp()
     for k in best:
         mgs = groups.get(k) or m0.stitches.get(k)
-        idx = final.all_kernels.get(k) or final.runs.get(k) or final.gemms.get(k)
+        idx = final.all_kernels.get(k) or final.runs.get(k) or final.gemms.get(k) or final.dconvs.get(k)
         pred = final.predicted(mgs) if mgs else final.predicted_steps(idx) if idx else None
         result.records[k] = {"kind": kinds[k], "decision": best[k], "tuned_s": round(best_s[k], 9),
                              "default_s": round(default_s[k], 9), "candidates": cands[k], "model": name,
@@ -607,6 +656,9 @@ def plan_steps(exe) -> list:
         if getattr(cg, "blocking", None) is not None:       # a generated GEMM: blocking, tiles, threads
             import dataclasses
             row += [list(dataclasses.astuple(cg.blocking)), list(dataclasses.astuple(cg.layout)), bool(cg.inline)]
+        elif type(cg).__name__ == "CompiledDirectConv":     # a direct conv: its form and thread choice
+            from ..codegen.conv_direct import flat_form
+            row += [flat_form(cg.desc), bool(cg.inline)]
         out.append(row)
     index = {id(s): i for i, s in enumerate(exe.steps)}
     out.append(["launches", [[index[id(s)] for s in item] for kind, item in exe._schedule if kind == "kernels"]])

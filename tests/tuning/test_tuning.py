@@ -75,6 +75,7 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
     monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
     monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", 1e9)      # the shared box may be busy: store anyway
+    monkeypatch.setattr(T, "TRY_BLAS", False)       # keep the generated GEMM (its flip: test_blas_flip_...)
     # one candidate of each kind is enough to replay (the full lists: test_gemm_candidates_...)
     monkeypatch.setattr(T, "TILE_CANDIDATES", ((16,),))
     monkeypatch.setattr(T, "PARTS_CANDIDATES", (1,))
@@ -326,3 +327,32 @@ def test_the_load_window_counts_other_processes_not_this_one():
     ev = w.stop()
     assert ev["others_share"] >= 0.6 / total, ev
     assert L.too_busy({**ev, "others_share": 0.9}, 0.25) and not L.too_busy({**ev, "others_share": 0.1}, 0.25)
+
+
+def test_blas_flip_is_confirmed_then_replayed(tmp_path, monkeypatch):
+    """A generated -> BLAS flip that wins its round goes through the "blas confirm" round (a
+    second paired look at the piece and the whole run) before it is stored; replayed, the
+    matmul runs on BLAS with the same numbers."""
+    import apollo_py.tuning.tuner as T
+    from apollo_py.runtime.blas import BlasStep, cblas
+    if cblas() is None:
+        pytest.skip("no cblas next to numpy")
+    monkeypatch.setattr(T, "MIN_GAIN", -1e9)
+    monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
+    monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", 1e9)
+    monkeypatch.setattr(T, "TILE_CANDIDATES", ())
+    monkeypatch.setattr(T, "PARTS_CANDIDATES", ())
+    monkeypatch.setattr(T, "KERNEL_ROUNDS", ())
+    monkeypatch.setattr(T, "GEMM_ROUNDS", ())
+    assert T.TRY_BLAS
+    opts = _opts(tmp_path)
+    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False)
+    assert "blas confirm" in [r[0] for r in res.rounds]
+    flips = {k: r for k, r in res.records.items() if r["decision"].get("gemm") == "blas"}
+    assert len(flips) == 1 and "blas confirm" in next(iter(flips.values()))["candidates"], res.records
+    exe, out = _exe(opts)
+    assert any(isinstance(s, BlasStep) for s in exe.steps)
+    _, want = _exe(opts.replace(tune="off"))
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
