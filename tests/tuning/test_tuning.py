@@ -179,6 +179,14 @@ def test_a_tuned_gemm_blocking_changes_the_compiled_gemm_not_the_numbers(tmp_pat
     assert plan_steps(exe) != plan_steps(untuned)
     for a, b in zip(out, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # 8-wide vectors (the vl candidate, AVX-512 hosts): another module, the same numbers
+    db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
+        "kind": "gemm", "decision": {"blocking": {"vl": 8, "nr": 16}}}})
+    exe, out = _exe(_opts(tmp_path))
+    cg = _gemm_step(exe).compiled
+    assert (cg.blocking.vl, cg.blocking.nr) == (8, 16) and "<8 x float>" in cg.ir
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # a field this version does not know, or an nr the micro-kernel cannot take: the default
     db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
         "kind": "gemm", "decision": {"blocking": {"nr": 24, "wide": 3}}}})
