@@ -330,7 +330,9 @@ def flat_form(d: DirectConvDesc) -> bool:
     g = d.conv
     s = g.strides[0]
     plane = s * s * prod(phase_plane(g)) if s > 1 else prod(padded_plane(g))
-    if d.form == "row" or (g.ow >= FLAT_MAX_OW and d.form != "flat") or s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
+    if d.form == "row" or (g.ow >= FLAT_MAX_OW and d.form != "flat"):    # form: a tuning decision
+        return False
+    if s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
         return False
     if any(any(s != 1 for s in o.shape[-2:]) for o in d.operands if len(o.shape) >= 2):
         return False

@@ -336,7 +336,8 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cands: dict[str, dict] = {}
     kinds: dict[str, str] = {}
     result = TuneResult(model=name, default_s=0.0, tuned_s=0.0, db=db.db_path(options))
-    bar = _bar(10 + len(KERNEL_ROUNDS) + len(CONV_ROUNDS) + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
+    n_rounds = 10 + len(KERNEL_ROUNDS) + len(CONV_ROUNDS) + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS)
+    bar = _bar(n_rounds, name, progress if progress is not None
                else options.progress)
     last_round = [0.0]
     ref_total = [float("inf")]     # whole-run time of the last reference round
@@ -592,7 +593,8 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         pred = final.predicted(mgs) if mgs else final.predicted_steps(idx) if idx else None
         result.records[k] = {"kind": kinds[k], "decision": best[k], "tuned_s": round(best_s[k], 9),
                              "default_s": round(default_s[k], 9), "candidates": cands[k], "model": name,
-                             "date": date, "load": result.load, **({"refused": result.refused} if result.refused else {}),
+                             "date": date, "load": result.load,
+                             **({"refused": result.refused} if result.refused else {}),
                              **({"predicted_s": round(pred, 9)} if pred is not None else {})}
     db.write(result.db, result.records)
     _log(options, result)

@@ -91,6 +91,9 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     assert {"stitch", "group", "kernel", "gemm"} <= {r["kind"] for r in pieces.values() if r["decision"]}
     gemm = [r for r in pieces.values() if r["kind"] == "gemm"]
     assert len(gemm) == 1 and gemm[0]["decision"] == {"threads": 2, "blocking": {"mr": 12, "kc": 128}}, gemm
+    from apollo_py.tuning.kernels import host_vector_width
+    if host_vector_width() == 512:      # a kernel code decision, replayed below (plan_steps has the width)
+        assert any(r["decision"].get("vector_width") == 256 for r in pieces.values() if r["kind"] == "kernel")
     exe, _ = _exe(opts.replace(tune="off"))
     _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, db.decisions(opts), with_keys=True)
     assert set(keys) <= set(pieces)     # every lowering group (under the stored stitch decisions) has a decision
