@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 #: round labels, in the order they are tried
-GEMM_ROUNDS = ("threads", "mr", "nr", "vl", "kc-", "kc+", "direct_a", "tiles-", "tiles+", "panels-", "panels+",
-               "bblock-", "bblock+", "nc-", "nc+")
+#: (``vl`` last: it lost on all 61 GEMM pieces it was offered on the AVX-512 box, docs/design/tuning.md)
+GEMM_ROUNDS = ("threads", "mr", "nr", "kc-", "kc+", "direct_a", "tiles-", "tiles+", "panels-", "panels+",
+               "bblock-", "bblock+", "nc-", "nc+", "vl")
 
 
 def gemm_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
@@ -77,15 +78,13 @@ def gemm_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
     return out
 
 
-#: round labels of a row-reading conv (codegen/conv_rows.py; a ``gemm:`` piece too), in GEMM_ROUNDS
-ROWS_ROUNDS = ("mr", "nr", "vl", "kc-", "kc+", "panels-", "panels+", "nc-", "nc+")
-
 
 def rows_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
     """:func:`gemm_candidates` for a row-reading conv: its own layout (``rows_layout``: column
     blocks of ``nc_max`` grid columns, row groups of ``max_panels`` panels, K blocks), and no
     thread, direct-A, tile-split or B-block candidate (it always runs on the pool, reads the
-    input rows in place and blocks B by ``nc_max``)."""
+    input rows in place and blocks B by ``nc_max``).  Labels: ``mr``, ``nr``, ``kc-``, ``kc+``,
+    ``panels-``, ``panels+``, ``nc-``, ``nc+``, ``vl`` (a subset of :data:`GEMM_ROUNDS`)."""
     from ..codegen.conv_rows import NC_MAX, in_place, rows_geom, rows_layout
     from ..codegen.gemm import default_blocking, k_blocks
     from ..runtime.gemm_step import tuned_blocking
