@@ -201,10 +201,12 @@ def _cmd_tune(args, opts):
     if args.db:
         opts = opts.replace(tune_db=args.db)
     res = tune(args.model, options=opts, input_shapes=shapes or None, feeds=feeds, budget=args.budget,
-               repeat=args.repeat, progress=None if args.progress is None else args.progress == "on")
+               repeat=args.repeat, progress=None if args.progress is None else args.progress == "on",
+               allow_load=args.allow_load)
     if args.json:
         print(json.dumps({"model": res.model, "default_s": res.default_s, "tuned_s": res.tuned_s, "db": res.db,
-                          "rounds": res.rounds, "skipped": res.skipped, "records": res.records}, indent=1))
+                          "rounds": res.rounds, "skipped": res.skipped, "records": res.records,
+                          "load": res.load, "refused": res.refused}, indent=1))
         return
     print(res.summary())
     for k, r in sorted(res.records.items()):
@@ -319,6 +321,9 @@ def main(argv=None) -> int:
                     help="time budget for the model (default Options.tune_budget, 60 s)")
     tu.add_argument("--repeat", type=int, default=7, help="profiled runs per candidate round (medians)")
     tu.add_argument("--db", default=None, help="tuning database (default <cache-dir>/tuning.json)")
+    tu.add_argument("--allow-load", action="store_true",
+                    help="store the decisions even if other processes held the cores while timing "
+                         "(refused by default: decisions follow the load they were timed under)")
     tu.add_argument("--progress", choices=["on", "off"], default=None,
                     help="progress bar on stderr (default: when stderr is a terminal)")
     tu.add_argument("--json", action="store_true")

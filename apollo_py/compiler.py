@@ -86,7 +86,7 @@ def build_cpu_executable(graph: Graph, micro_graphs, specs, options: Options, pr
 
     fused = [s.fused for s in specs if s.fused is not None]
     _stage(progress, "LLVM codegen", len(fused))
-    compiled = iter(compile_kernels(fused, options.cache_dir, progress))
+    compiled = iter(compile_kernels(fused, options.cache_dir, progress, graph.types, options))
     gemms = [s for s in specs if s.gemm is not None]
     _stage(progress, "GEMM codegen", len(gemms))
     # every other GEMM compiled by a forked child into the disk cache meanwhile (two cores)

@@ -9,7 +9,7 @@ each and the median of the per-round ratios (untuned / tuned: above 1 = tuning h
 outputs of the two are compared first (max relative difference).
 
     python benchmarks/tune_bench.py [--quick] [--budget 60] [--zoo-budget 240] [--rounds 7] [--reps 5] [--markdown]
-        [--only softmax ...] [--zoo dlrm.dynamo.onnx ...] [--no-zoo] [--cache-dir DIR]
+        [--only softmax ...] [--zoo dlrm.dynamo.onnx ...] [--no-zoo] [--cache-dir DIR] [--allow-load]
 
 Zoo models are read from ``~/.cache/apollo_py_zoo`` (benchmarks/zoo/export.py; inputs from its
 manifest).  The machine's load (``os.getloadavg``) is printed with every row: on a shared box
@@ -61,7 +61,7 @@ def bench_one(name: str, model, feeds: dict, args, budget: float | None = None) 
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     res = tune(model, options=opts.replace(model_name=name), feeds=feeds, budget=budget or args.budget, repeat=args.repeat,
-               progress=False)
+               progress=False, allow_load=args.allow_load)
     tune_s = time.perf_counter() - t0
     f_off = ap.jit(model, options=opts.replace(tune="off"))
     f_on = ap.jit(model, options=opts)
@@ -82,7 +82,7 @@ def bench_one(name: str, model, feeds: dict, args, budget: float | None = None) 
             "pieces": len(res.records), "changed": len(res.changed),
             "changed_kinds": sorted({k.split(":")[0] for k in res.changed}),
             "tune_s": tune_s, "skipped": res.skipped, "max_rel_diff": rel, "confirm": res.confirm_ratio, "slower_rounds": res.slower_rounds,
-            "dropped": len(res.rejected),
+            "dropped": len(res.rejected), "others_share": res.load.get("others_share"), "refused": bool(res.refused),
             "load": (round(load0, 1), round(os.getloadavg()[0], 1))}
 
 
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-zoo", action="store_true")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "apollo_py_tune_bench"))
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--allow-load", action="store_true",
+                   help="store decisions timed while other processes held the cores (the tuner refuses by default)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     import workloads as W

@@ -101,6 +101,7 @@ class DirectConvDesc:
     inline_consts: dict = field(default_factory=dict)
     squeeze: Squeeze | None = None     # a fused global-average-pool squeeze (layers/conv_squeeze.py)
     excite: Excite | None = None       # a fused excitation multiply (matrix-vector convs only)
+    form: str = ""     # "flat" / "row": a tuning decision overriding FLAT_MAX_OW (tuning/convs.py)
 
     def extra_outputs(self) -> tuple:
         """``(name, shape, dtype)`` of the values stored besides ``outputs`` (squeeze rows, the
@@ -329,7 +330,9 @@ def flat_form(d: DirectConvDesc) -> bool:
     g = d.conv
     s = g.strides[0]
     plane = s * s * prod(phase_plane(g)) if s > 1 else prod(padded_plane(g))
-    if g.ow >= FLAT_MAX_OW or s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
+    if d.form == "row" or (g.ow >= FLAT_MAX_OW and d.form != "flat"):    # form: a tuning decision
+        return False
+    if s != g.strides[1] or (g.c // g.group + len(d.out_dtypes)) * plane * 4 > SCRATCH_BYTES:
         return False
     if any(any(s != 1 for s in o.shape[-2:]) for o in d.operands if len(o.shape) >= 2):
         return False

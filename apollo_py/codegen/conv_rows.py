@@ -165,7 +165,7 @@ def rows_layout(d, bl, threads: int) -> RowsLayout:
     from .gemm import k_blocks
     grid = rows_geom(d.conv).grid
     npc = -(-grid // bl.nr)
-    nc_p = min(npc, NC_MAX // bl.nr)
+    nc_p = min(npc, max(1, (getattr(bl, "nc_max", 0) or NC_MAX) // bl.nr))     # nc_max: a tuning decision
     npan = -(-d.m // bl.mr)
     mg = -(-npan // bl.max_panels)
     want = 4 * max(1, threads)

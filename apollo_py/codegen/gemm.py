@@ -73,7 +73,8 @@ class Blocking:
     ``direct_a`` (the micro-kernel broadcasts A from its row-major source instead of a packed
     copy; None: :func:`direct_a_rule`), and the parallel split: on ``T > 1`` threads the
     tiles are made smaller until there are ``tiles_per_thread * T`` of them or each is down
-    to ``tile_flops`` (:func:`layout`)."""
+    to ``tile_flops`` (:func:`layout`); ``nc_max``: the row-reading conv's column block
+    (codegen/conv_rows.py; unused here)."""
 
     vl: int
     mr: int
@@ -84,6 +85,7 @@ class Blocking:
     direct_a: Optional[bool] = None
     tiles_per_thread: int = TILES_PER_THREAD
     tile_flops: int = TILE_FLOPS
+    nc_max: int = 0     # grid columns per B block of the row-reading conv (0: conv_rows.NC_MAX)
 
     def nc(self, kc: int, n: int) -> int:
         """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,

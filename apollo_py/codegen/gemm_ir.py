@@ -22,7 +22,11 @@ def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int =
     and live in registers for the whole k loop; C is written once at the end (stored on the
     first K block, loaded and added on the others)."""
     a_ks = a_ks or bl.mr
-    calign = 64 if not c_rs else 4
+    # packed B rows and the scratch tile's rows are NR floats apart and vector v starts VL
+    # floats into one: 64-byte aligned with 16-wide vectors, only 4 * VL bytes with narrower
+    # ones (an 8-wide blocking claiming 64 would be undefined behaviour)
+    valign = min(64, 4 * bl.vl)
+    calign = valign if not c_rs else 4
     c_rs = c_rs or bl.nr
     vt = f"<{bl.vl} x float>"
     nv = bl.nr // bl.vl
@@ -38,7 +42,7 @@ def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int =
         lines.append(f"  %bp{v} = getelementptr inbounds float, ptr %b, i64 %bo")
         if v:
             lines[-1] = f"  %bp{v} = getelementptr inbounds float, ptr %bp0, i64 {v * bl.vl}"
-        lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align 64")
+        lines.append(f"  %bv{v} = load {vt}, ptr %bp{v}, align {valign}")
     lines += micro_fma_tail_ir(bl, a_ks, a_rs, c_rs, calign)
     return "\n".join(lines)
 

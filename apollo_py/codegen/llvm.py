@@ -523,6 +523,8 @@ class LLVMPrinter(Printer):
         ``cpu_attrs`` is extra function-attribute text (e.g. target-cpu) for the impl.
         """
         self.check_kernel(k)
+        if k.vector_width:      # a per-kernel width (a tuning decision) replaces the host's
+            cpu_attrs = with_vector_width(cpu_attrs, k.vector_width)
         # A kernel touching float16 buffers gets no arcp/contract: InstCombine shrinks
         # fptrunc(op(fpext a, fpext b)) to a half op, and with them a half fdiv became a
         # multiply by a half-rounded reciprocal and a half mul+add one fma -- one float16 ulp
@@ -571,6 +573,14 @@ class LLVMPrinter(Printer):
                  llvm_math.render_helpers(self.helpers, scalef="+avx512f" in cpu_attrs),
                  "\n".join(impl), "\n".join(wrapper), *attrs, *self.metadata]
         return "\n".join(parts) + "\n"
+
+
+def with_vector_width(cpu_attrs: str, bits: int) -> str:
+    """``cpu_attrs`` with ``"prefer-vector-width"`` set to ``bits`` (LLVM's vectorisers then
+    use at most that width; the text, and so the piece's cache key, changes with it)."""
+    import re
+    kept = re.sub(r'\s*"prefer-vector-width"="\d+"', "", cpu_attrs)
+    return f'{kept} "prefer-vector-width"="{int(bits)}"'.strip()
 
 
 def render_llvm(k: L.Kernel, cpu_attrs: str = "") -> str:

@@ -414,6 +414,8 @@ class Kernel:
     If ``parallel_var`` is set, the outermost ``For`` over that variable with kind
     ``parallel`` runs only over the chunk ``[lo, hi)`` handed to the kernel (intersected with
     its own bounds); ``parallel_extent`` is the full extent the runtime splits.
+    ``vector_width``: the widest vectors (bits) LLVM should prefer for this kernel (None: the
+    host's choice, codegen/llvm.py); a tuning decision (tuning/db.py, ``kernel:`` pieces).
     """
 
     name: str
@@ -421,6 +423,7 @@ class Kernel:
     body: Stmt
     parallel_var: Optional[str] = None
     parallel_extent: Optional[int] = None
+    vector_width: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "params", tuple(self.params))
@@ -431,6 +434,9 @@ class Kernel:
         if (self.parallel_var is None) != (self.parallel_extent is None):
             raise CompileError(f"kernel {self.name!r}: parallel_var and parallel_extent "
                                "must be given together")
+        if self.vector_width not in (None, 128, 256, 512):
+            raise CompileError(f"kernel {self.name!r}: vector_width must be None, 128, 256 or 512 bits, "
+                               f"got {self.vector_width!r}")
 
     def replace(self, **changes) -> "Kernel":
         """Return a copy with ``changes`` applied."""
@@ -598,6 +604,8 @@ def format_node(node) -> str:
         par = ""
         if node.parallel_var is not None:
             par = f" parallel {node.parallel_var} extent {node.parallel_extent}"
+        if node.vector_width:
+            par += f" vector_width {node.vector_width}"
         return f"kernel {node.name}({params}){par}:\n" + format_stmt(node.body, 1)
     if isinstance(node, Stmt):
         return format_stmt(node)

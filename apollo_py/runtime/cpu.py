@@ -495,7 +495,21 @@ def _parts(step, machine) -> int:
     return max(1, min(ext, nbytes // machine.chunk_bytes))
 
 
-def compile_kernels(fused: Sequence, cache_dir: str | None = None, progress=None) -> list:
-    """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory)."""
+def compile_kernels(fused: Sequence, cache_dir: str | None = None, progress=None, types=None,
+                    options=None) -> list:
+    """Compile layer-1 kernels with LLVM behind the piecewise cache (``cache_dir``; None = memory).
+    With ``types`` and ``options``: a kernel the tuning database has a code decision for
+    (vector width, parallel dim: tuning/kernels.py) is compiled with it."""
     from ..codegen.cached import compile_all
-    return compile_all([f.loop for f in fused], cache_dir, progress, [f.object_key for f in fused])
+    loops, keys = [f.loop for f in fused], [f.object_key for f in fused]
+    if types is not None and options is not None:
+        from ..tuning.db import decisions, kernel_key
+        tuned = decisions(options)
+        if tuned:
+            from ..tuning.kernels import tuned_loop
+            for i, f in enumerate(fused):
+                d = tuned.get(kernel_key(f, types))
+                k = tuned_loop(f, d) if d else None
+                if k is not None:
+                    loops[i], keys[i] = k, ""       # another text: its own object-cache key
+    return compile_all(loops, cache_dir, progress, keys)

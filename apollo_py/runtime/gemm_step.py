@@ -45,9 +45,16 @@ class GemmStep:
             from .attention_step import AttentionStep
             return AttentionStep.build(spec, threads, cache_dir)
         from ..codegen.gemm import compile_gemm
+        from ..errors import CompileError
         consts = tuple(getattr(spec, "const_inputs", ()))
         if isinstance(spec.gemm, DirectConvDesc):
-            cg = compile_direct_conv(spec.gemm, cache_dir=cache_dir)
+            d, inline = spec.gemm, None
+            if tuned:       # a conv: piece's decision (tuning/convs.py): flat or row form, threads
+                from ..tuning.convs import apply_direct, direct_key
+                d, inline = apply_direct(d, tuned.get(direct_key(d)))
+            cg = compile_direct_conv(d, cache_dir=cache_dir)
+            if inline is not None:
+                cg.inline = inline
         else:
             d = spec.gemm
             # a constant A (a conv's weight: a 960x160 weight is 600 KB of copying per call
@@ -58,7 +65,14 @@ class GemmStep:
             nthreads = int(threads or os.cpu_count() or 1)
             from ..codegen.conv_rows import compile_conv_rows, rows_reason
             if d.conv is not None and d.a_const and rows_reason(d):
-                cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)
+                # a gemm: piece too (tuning/space.py: rows_candidates); never inline
+                bl, _ = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
+                try:
+                    cg = compile_conv_rows(d, nthreads, bl, cache_dir=cache_dir)
+                except CompileError:
+                    if bl is None:
+                        raise
+                    cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)    # a decision it cannot take
             else:
                 bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
                 cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)

@@ -13,10 +13,12 @@ from ..options import Options
 
 def tune(model: Any, *, options: Options | None = None, input_shapes: Mapping[str, tuple] | None = None,
          feeds: Mapping | None = None, budget: float | None = None, repeat: int = 7,
-         progress: bool | None = None):
+         progress: bool | None = None, allow_load: bool = False):
     """Tune ``model`` (an ONNX path / bytes / ModelProto, a Graph or a Program) at
     ``input_shapes`` (needed for symbolic dims; default the static shapes) on ``feeds`` (default
-    random inputs of those shapes); returns a :class:`~apollo_py.tuning.tuner.TuneResult`."""
+    random inputs of those shapes); returns a :class:`~apollo_py.tuning.tuner.TuneResult`.
+    ``allow_load``: store decisions timed while other processes held the cores (refused by
+    default: tuning/load.py)."""
     from ..errors import InputError
     from .tuner import graph_for, tune_graph
     options = options or Options()
@@ -31,7 +33,8 @@ def tune(model: Any, *, options: Options | None = None, input_shapes: Mapping[st
     graph = graph_for(program, shapes, options)
     if not options.model_name:
         options = options.replace(model_name=getattr(program, "name", "") or "")
-    return tune_graph(graph, options, feeds, budget=budget, repeat=repeat, progress=progress)
+    return tune_graph(graph, options, feeds, budget=budget, repeat=repeat, progress=progress,
+                      allow_load=allow_load)
 
 
 def _program(model: Any, options: Options):

@@ -7,11 +7,14 @@ One JSON file (``Options.tune_db``, default ``<cache_dir>/tuning.json``)::
                                     "pieces": {"<piece key>": {"kind": ..., "decision": {...},
                                                                "tuned_s": ..., "default_s": ...,
                                                                "predicted_s": ..., "candidates": {...},
-                                                               "model": ..., "date": ...}}}}}
+                                                               "model": ..., "date": ..., "load": {...},
+                                                               ["refused": why]}}}}}
 
 Only *decisions* are stored (tile sizes, chunk counts, stitch or not, BLAS or generated GEMM,
-layer-3 grouping), never code: a replaying compile builds the code from them through the usual
-passes and caches.  A compile reads only the section of this machine's key
+GEMM blockings, kernels' vector width and parallel dim, direct convs' form and threads, layer-3
+grouping), never code: a replaying compile builds the code from them through the usual passes
+and caches.  ``load`` is what other processes took of the cores while they were timed
+(tuning/load.py); ``refused`` says why a tuning stored the defaults instead.  A compile reads only the section of this machine's key
 (:func:`machine_key`: CPU model, CPU feature flags, usable cores), so a database copied from
 another machine is ignored.  Piece keys (:func:`piece_key`) hash a piece's structure with value
 names made canonical (the same block at every layer is one piece) and its value types (the
@@ -32,7 +35,7 @@ from typing import Mapping, Sequence
 
 FORMAT = 1
 #: the kinds of piece a decision is stored for
-KINDS = ("stitch", "group", "kernel", "run")
+KINDS = ("stitch", "group", "kernel", "run", "gemm", "conv")
 _LOCK = threading.Lock()
 
 

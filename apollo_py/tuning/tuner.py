@@ -42,8 +42,10 @@ import numpy as np
 
 from ..errors import ApolloError
 from ..options import Options
-from . import db
-from .space import GEMM_ROUNDS, gemm_candidates
+from . import db, load
+from .convs import CONV_ROUNDS, direct_candidates
+from .kernels import kernel_code_candidates
+from .space import GEMM_ROUNDS, gemm_candidates, rows_candidates
 
 #: a candidate must beat the piece's best time by this fraction to replace it
 MIN_GAIN = 0.05
@@ -53,12 +55,16 @@ SLOWER_ROUND = 0.05
 TILE_CANDIDATES = ((16,), (64,), (8, 64))
 #: chunk counts tried for every parallel kernel
 PARTS_CANDIDATES = (1, 2, 4)
-#: whether a generated GEMM may be flipped to BLAS (BLAS -> generated is always tried).  Off:
-#: on the shared 2-core box DLRM's two flipped GEMMs measured faster in the tuner's process
+#: code candidates of layer-1 kernels (tuning/kernels.py), in this order
+KERNEL_ROUNDS = ("vector 256", "parallel dim 1")
+#: whether a generated GEMM may be flipped to BLAS (BLAS -> generated is always tried).  It was
+#: off: on the shared 2-core box DLRM's two flipped GEMMs measured faster in the tuner's process
 #: (55 vs 68 us), while in a process that also ran generated GEMMs on apollo's pool each
-#: OpenBLAS call took 135-210 ms (its threads spin and yield; load 15), the model 40x slower --
-#: a hazard a per-process measurement does not see (layers/gemm_lowering.py has the same story)
-TRY_BLAS = False
+#: OpenBLAS call took 135-210 ms (its threads spin and yield; load 15), the model 40x slower.
+#: Since then every run of a plan with BLAS steps holds OpenBLAS at one thread
+#: (runtime/blas.py: OneBlasThread), so the tuner's runs and later ones see the same BLAS, and a
+#: flip must also survive a "blas confirm" round (piece and whole run, paired)
+TRY_BLAS = True
 
 
 @dataclass
@@ -78,6 +84,8 @@ class TuneResult:
     confirm_ratio: float | None = None      # default / tuned whole-run time, interleaved (> 1: faster)
     rejected: dict = field(default_factory=dict)    # decisions dropped: not confirmed, or the whole was not faster
     slower_rounds: list = field(default_factory=list)   # rounds whose whole run was slower: not used
+    load: dict = field(default_factory=dict)    # what other processes took while it timed (tuning/load.py)
+    refused: str = ""       # why no decision was stored (the machine was busy), "" when stored
 
     @property
     def changed(self) -> dict:
@@ -96,7 +104,8 @@ class TuneResult:
                 + (f"; interleaved check {self.confirm_ratio:.2f}x" if self.confirm_ratio else "")
                 + (f", {len(self.rejected)} decisions dropped" if self.rejected else "")
                 + f"); pieces {what or 'none'}; "
-                f"{len(self.rounds)} rounds" + (f", skipped (budget): {', '.join(self.skipped)}" if self.skipped
+                + (f"NOT STORED: {self.refused}; " if self.refused else "")
+                + f"{len(self.rounds)} rounds" + (f", skipped (budget): {', '.join(self.skipped)}" if self.skipped
                                                  else "") + f"; decisions in {self.db}")
 
 
@@ -122,9 +131,15 @@ class _Measurement:
         self.stitches = {stitch_key(g, self.mgs, types): g for g in stitch_groups(self.mgs, types) if len(g) > 1}
         from ..runtime.cpu import KernelStep
         self.kernels: dict[str, list[int]] = {}
+        self.all_kernels: dict[str, list[int]] = {}     # every layer-1 kernel (code decisions)
+        self.fused: dict[str, object] = {}
         for i, s in enumerate(exe.steps):
-            if isinstance(s, KernelStep) and s.fused is not None and (s.compiled.parallel_extent or 0) > 1:
-                self.kernels.setdefault(db.kernel_key(s.fused, types), []).append(i)
+            if isinstance(s, KernelStep) and s.fused is not None:
+                k = db.kernel_key(s.fused, types)
+                self.all_kernels.setdefault(k, []).append(i)
+                self.fused.setdefault(k, s.fused)
+                if (s.compiled.parallel_extent or 0) > 1:
+                    self.kernels.setdefault(k, []).append(i)
         index = self._index = {id(s): i for i, s in enumerate(exe.steps)}
         keyed = {id(s): db.kernel_key(s.fused, types) for s in exe.steps if isinstance(s, KernelStep)}
         self.runs: dict[str, list[int]] = {}
@@ -134,12 +149,25 @@ class _Measurement:
         from ..runtime.gemm_step import gemm_key
         self.gemms: dict[str, list[int]] = {}
         self.gemm_descs: dict[str, object] = {}
+        self.rows: set = set()
         for i, s in enumerate(exe.steps):
             cg = getattr(s, "compiled", None)
             if type(s).__name__ == "GemmStep" and getattr(cg, "blocking", None) is not None:
                 k = gemm_key(cg.desc)
                 self.gemms.setdefault(k, []).append(i)
                 self.gemm_descs[k] = cg.desc
+                if type(cg).__name__ == "CompiledConvRows":     # its own candidates (space.rows_candidates)
+                    self.rows.add(k)
+        # direct convs (tuning/convs.py)
+        from .convs import direct_key
+        self.dconvs: dict[str, list[int]] = {}
+        self.dconv_of: dict[str, object] = {}
+        for i, s in enumerate(exe.steps):
+            cg = getattr(s, "compiled", None)
+            if type(cg).__name__ == "CompiledDirectConv":
+                k = direct_key(cg.desc)
+                self.dconvs.setdefault(k, []).append(i)
+                self.dconv_of.setdefault(k, cg)
 
     def run_steps(self, feeds) -> list[float]:
         """One traced run: seconds per step (a layer-3 group's time shared as in ``step_s``)."""
@@ -267,7 +295,7 @@ def _bar(total: int, what: str, enabled):
 
 def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget: float | None = None,
                repeat: int = 7, progress: bool | None = None,
-               on_round: Callable[[str, int], None] | None = None) -> TuneResult:
+               on_round: Callable[[str, int], None] | None = None, allow_load: bool = False) -> TuneResult:
     """Tune ``graph`` (static shapes) on ``feeds`` (default: :func:`random_feeds`) and store the
     decisions in ``options``' tuning database for this machine; see the module docs.
 
@@ -275,7 +303,11 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     spent plus the previous round's time is within it (the first and the final measurement
     always run, so a tuning may overrun its budget by about one round).  ``repeat``: profiled runs per
     round (medians).  ``progress``: a tqdm bar on stderr (None: only on a terminal).
-    ``on_round(name, pieces)`` is called before each round.  Returns a :class:`TuneResult`.
+    ``on_round(name, pieces)`` is called before each round.  ``allow_load``: store the
+    decisions even when other processes took more than ``load.MAX_OTHERS_SHARE`` of the cores
+    while it timed (by default they are refused with a warning, and the pieces are stored with
+    the compiler's defaults, so ``Options(tune="tune")`` does not tune again at every call).
+    Every record carries the load it was timed under (``"load"``).  Returns a :class:`TuneResult`.
     """
     if options.target != "cpu":
         raise ApolloError(f"tuning times CPU kernels; Options.target is {options.target!r}")
@@ -284,6 +316,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     budget = options.tune_budget if budget is None else budget
     feeds = dict(feeds) if feeds is not None else random_feeds(graph)
     t_start = time.perf_counter()
+    window = load.start()
     tmpdir = tempfile.mkdtemp(prefix="apollo_py_tune_")
     cand_db = os.path.join(tmpdir, "candidates.json")
     name = options.model_name or graph.name or "model"
@@ -303,7 +336,8 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     cands: dict[str, dict] = {}
     kinds: dict[str, str] = {}
     result = TuneResult(model=name, default_s=0.0, tuned_s=0.0, db=db.db_path(options))
-    bar = _bar(10 + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS), name, progress if progress is not None
+    n_rounds = 10 + len(KERNEL_ROUNDS) + len(CONV_ROUNDS) + len(TILE_CANDIDATES) + len(PARTS_CANDIDATES) + len(GEMM_ROUNDS)
+    bar = _bar(n_rounds, name, progress if progress is not None
                else options.progress)
     last_round = [0.0]
     ref_total = [float("inf")]     # whole-run time of the last reference round
@@ -315,7 +349,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         paired ratios, and so is the whole run (``whole``: a round whose whole run is slower
         than ``ref``'s is not used)."""
         elapsed = time.perf_counter() - t_start
-        if label not in ("default", "final", "gemm confirm") and elapsed + last_round[0] > budget:
+        if label not in ("default", "final", "gemm confirm", "blas confirm") and elapsed + last_round[0] > budget:
             result.skipped.append(label)
             return None
         if on_round:
@@ -386,6 +420,20 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                 for k, d in flips.items():
                     g = ("mgs", groups[k])
                     note(k, "group", f"gemm={d['gemm']}", default_s[k] * m.pair_ratio(g, g), dict(d))
+            # a generated -> BLAS flip is kept only if a second paired round of every decision so
+            # far finds the piece still MIN_GAIN faster *and* the whole run not slower: BLAS's
+            # cost depends on what else the process runs (OpenBLAS's threads beside the pool;
+            # runs hold it at one thread since runtime/blas.py's OneBlasThread)
+            to_blas = [k for k, d in flips.items() if d["gemm"] == "blas" and best.get(k)]
+            if to_blas:
+                m = run_round("blas confirm", decided(), len(to_blas), ref=base)
+                for k in to_blas:
+                    g = ("mgs", groups[k])
+                    r = m.pair_ratio(g, g) if m is not None else 1.0
+                    cands[k]["blas confirm"] = round(default_s[k] * r, 9)
+                    if r > 1 - MIN_GAIN:
+                        result.rejected[k] = best[k]
+                        best[k], best_s[k] = {}, default_s[k]
         # generated GEMM / implicit-GEMM conv: blocking, tile split, threads (tuning/space.py)
         gbase = run_round("rebaseline", decided(), 0) if decided() else base
         gbase = gbase or base
@@ -397,7 +445,7 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
             cand = {}
             for k in focus:
                 d = gbase.gemm_descs[k]
-                c = gemm_candidates(d, best.get(k, {}), threads).get(label)
+                c = (rows_candidates if k in gbase.rows else gemm_candidates)(d, best.get(k, {}), threads).get(label)
                 if c is not None:
                     cand[k] = c
             if not cand:
@@ -439,6 +487,45 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                         g = ("mgs", groups[k])
                         note(k, "group", f"tiles={list(tiles)}", tref[k] * m.pair_ratio(g, g), cand[k])
         base = run_round("rebaseline", decided(), 0) or base
+        # layer-1 kernels' code: vector width, parallel dim (tuning/kernels.py), heaviest first
+        kref = {k: base.steps_time(idx) for k, idx in base.all_kernels.items()}
+        for k in kref:
+            note(k, "kernel", "default", kref[k], {})
+        kfocus = _heaviest(kref, base.total)
+        kbase = base
+        for label in KERNEL_ROUNDS:
+            cand = {}
+            for k in kfocus:
+                c = kernel_code_candidates(kbase.fused[k]).get(label)
+                if c is not None:
+                    cand[k] = {**best.get(k, {}), **c}
+            if not cand:
+                continue
+            m = run_round(label, {**decided(), **cand}, len(cand), ref=kbase)
+            if m is not None:
+                for k in cand:
+                    if k in m.all_kernels:
+                        note(k, "kernel", label, kref[k] * m.pair_ratio(kbase.all_kernels[k], m.all_kernels[k]),
+                             cand[k])
+        # direct convs: flat or row form, threads (tuning/convs.py), heaviest first
+        cref = {k: base.steps_time(idx) for k, idx in base.dconvs.items()}
+        for k in cref:
+            note(k, "conv", "default", cref[k], {})
+        cfocus = _heaviest(cref, base.total)
+        for label in CONV_ROUNDS:
+            cand = {}
+            for k in cfocus:
+                cg = kbase.dconv_of[k]
+                c = direct_candidates(cg.desc, best.get(k, {}), bool(cg.inline), threads).get(label)
+                if c is not None:
+                    cand[k] = c
+            if not cand:
+                continue
+            m = run_round(label, {**decided(), **cand}, len(cand), ref=kbase)
+            if m is not None:
+                for k in cand:
+                    if k in m.dconvs:
+                        note(k, "conv", label, cref[k] * m.pair_ratio(kbase.dconvs[k], m.dconvs[k]), cand[k])
         # recalibrate the cost model before the runtime rounds, so that layer 3's groups in
         # them (and in every later compile) are the ones the corrected model makes
         _recalibrate(options, base)
@@ -446,16 +533,17 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
         # runtime: chunks per parallel kernel, then layer 3's grouping per run
         for k, idx in base.kernels.items():
             note(k, "kernel", "default", base.steps_time(idx), {})
+        pref = {k: best_s[k] for k in base.kernels}     # each piece's time in base's plan
         for p in PARTS_CANDIDATES:
-            cand = {k: {"parts": p} for k in base.kernels}
+            cand = {k: {**best.get(k, {}), "parts": p} for k in base.kernels}
             if not cand:
                 break
             m = run_round(f"parts {p}", {**decided(), **cand}, len(cand), ref=base)
             if m is not None:
                 for k in base.kernels:
                     if k in m.kernels:
-                        note(k, "kernel", f"parts={p}", default_s[k] * m.pair_ratio(base.kernels[k], m.kernels[k]),
-                             {"parts": p})
+                        note(k, "kernel", f"parts={p}", pref[k] * m.pair_ratio(base.kernels[k], m.kernels[k]),
+                             cand[k])
         for k, idx in base.runs.items():
             note(k, "run", "default", base.steps_time(idx), {})
         if base.runs:
@@ -476,6 +564,17 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
                 best = {k: {} for k in best}
                 best_s.update(default_s)
                 final = run_round("final", {}, 0)
+        result.load = window.stop()
+        refused = "" if allow_load else load.too_busy(result.load)
+        if refused:
+            # decisions follow the load they were timed under: store none of them
+            import warnings
+            warnings.warn(f"apollo_py tune {name}: {refused}", RuntimeWarning, stacklevel=2)
+            result.refused = refused
+            result.rejected.update(decided())
+            best = {k: {} for k in best}
+            best_s.update(default_s)
+            final = m0
     finally:
         if bar is not None:
             bar.close()
@@ -490,11 +589,13 @@ def tune_graph(graph, options: Options, feeds: Mapping | None = None, *, budget:
     date = db.stamp()
     for k in best:
         mgs = groups.get(k) or m0.stitches.get(k)
-        idx = final.kernels.get(k) or final.runs.get(k) or final.gemms.get(k)
+        idx = final.all_kernels.get(k) or final.runs.get(k) or final.gemms.get(k) or final.dconvs.get(k)
         pred = final.predicted(mgs) if mgs else final.predicted_steps(idx) if idx else None
         result.records[k] = {"kind": kinds[k], "decision": best[k], "tuned_s": round(best_s[k], 9),
                              "default_s": round(default_s[k], 9), "candidates": cands[k], "model": name,
-                             "date": date, **({"predicted_s": round(pred, 9)} if pred is not None else {})}
+                             "date": date, "load": result.load,
+                             **({"refused": result.refused} if result.refused else {}),
+                             **({"predicted_s": round(pred, 9)} if pred is not None else {})}
     db.write(result.db, result.records)
     _log(options, result)
     return result
@@ -550,11 +651,16 @@ def plan_steps(exe) -> list:
         d = spec.to_dict()
         row = [d["kind"], d.get("ops")]
         if isinstance(s, KernelStep):
-            row += [list(s.fused.tile_sizes), _parts(s, exe.machine)]
+            k = getattr(s.compiled, "kernel", None)     # its code decisions (tuning/kernels.py)
+            row += [list(s.fused.tile_sizes), _parts(s, exe.machine), getattr(k, "vector_width", None),
+                    getattr(k, "parallel_var", None)]
         cg = getattr(s, "compiled", None)
         if getattr(cg, "blocking", None) is not None:       # a generated GEMM: blocking, tiles, threads
             import dataclasses
             row += [list(dataclasses.astuple(cg.blocking)), list(dataclasses.astuple(cg.layout)), bool(cg.inline)]
+        elif type(cg).__name__ == "CompiledDirectConv":     # a direct conv: its form and thread choice
+            from ..codegen.conv_direct import flat_form
+            row += [flat_form(cg.desc), bool(cg.inline)]
         out.append(row)
     index = {id(s): i for i, s in enumerate(exe.steps)}
     out.append(["launches", [[index[id(s)] for s in item] for kind, item in exe._schedule if kind == "kernels"]])

@@ -41,6 +41,8 @@ def _check(pool, xs, ys, bl_kw, epilogue=False, seed=0):
     ((37, 600), (600, 70), {}),                      # partial row panel + columns, 3 K blocks, direct A
     ((37, 600), (600, 70), {"direct_a": False}),     # the same through the packed A
     ((37, 600), (600, 70), {"vl": 8, "mr": 6, "nr": 16}),    # the AVX2 blocking
+    ((37, 600), (600, 49), {"vl": 8, "mr": 12, "nr": 16}),   # 8-wide vectors, 2 per row (the tuner's vl)
+    ((3, 30, 70), (3, 70, 49), {"vl": 8, "nr": 8, "direct_a": False}),   # one 8-wide vector per row
     ((48, 600), (600, 64), {}),                      # every tile full: the output accumulates K blocks
     ((5, 9, 64), (5, 64, 9), {}),                    # batched, N fits one vector: NR = VL
     ((30, 50), (50, 20), {"kc": 16}),                # many short K blocks
@@ -74,3 +76,32 @@ def test_blocking_is_part_of_the_compiled_key(pool):
     a = _check(pool, (20, 500), (500, 40), {"kc": 500})
     b = _check(pool, (20, 500), (500, 40), {"kc": 100})
     assert a.layout.nkc == 1 and b.layout.nkc == 5 and a.engine is not b.engine
+
+
+def test_narrow_vectors_claim_only_their_alignment():
+    """Packed B rows and scratch-tile rows are NR floats apart and vector v starts VL floats in:
+    an 8-wide blocking's loads and stores may claim 32 bytes, not 64 (undefined behaviour)."""
+    from apollo_py.codegen.gemm_ir import _micro_ir
+    wide = _micro_ir(Blocking(16, 12, 32))
+    narrow = _micro_ir(Blocking(8, 12, 16))
+    assert "<16 x float>, ptr %bp1, align 64" in wide and "align 32" not in wide
+    assert "<8 x float>, ptr %bp1, align 32" in narrow and "align 64" not in narrow
+
+
+@pytest.mark.parametrize("nr", [8, 16])
+def test_implicit_gemm_conv_with_8_wide_vectors(pool, nr):
+    """The tuner's ``vl`` candidate on a conv (im2col packed into 8- or 16-column panels)."""
+    from apollo_py.codegen.gemm import conv_desc
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((1, 16, 7, 7)).astype(np.float32), rng.standard_normal((24, 16, 3, 3)).astype(np.float32)
+    ref = np.zeros((1, 24, 7, 7), np.float64)
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    for i in range(3):
+        for j in range(3):
+            ref += np.einsum("oc,nchw->nohw", w[:, :, i, j].astype(np.float64), xp[:, :, i:i + 7, j:j + 7])
+    d = conv_desc("c", x.shape, w.shape, ref.shape, dict(group=1, strides=(1, 1), pads=(1, 1, 1, 1),
+                                                         dilations=(1, 1)), "h", outputs=("h",), out_dtypes=("float32",))
+    cg = compile_gemm(d, 2, Blocking(8, 12, nr))
+    out = np.full(ref.shape, np.nan, np.float32)
+    cg.run(pool, w, x, [], [out])
+    np.testing.assert_allclose(out, ref, rtol=RTOL, atol=RTOL * 12)

@@ -74,6 +74,8 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     monkeypatch.setattr(T, "MIN_GAIN", -1e9)
     monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
     monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", 1e9)      # the shared box may be busy: store anyway
+    monkeypatch.setattr(T, "TRY_BLAS", False)       # keep the generated GEMM (its flip: test_blas_flip_...)
     # one candidate of each kind is enough to replay (the full lists: test_gemm_candidates_...)
     monkeypatch.setattr(T, "TILE_CANDIDATES", ((16,),))
     monkeypatch.setattr(T, "PARTS_CANDIDATES", (1,))
@@ -89,6 +91,9 @@ def test_tuning_stores_decisions_a_new_process_replays_them_without_timing(tmp_p
     assert {"stitch", "group", "kernel", "gemm"} <= {r["kind"] for r in pieces.values() if r["decision"]}
     gemm = [r for r in pieces.values() if r["kind"] == "gemm"]
     assert len(gemm) == 1 and gemm[0]["decision"] == {"threads": 2, "blocking": {"mr": 12, "kc": 128}}, gemm
+    from apollo_py.tuning.kernels import host_vector_width
+    if host_vector_width() == 512:      # a kernel code decision, replayed below (plan_steps has the width)
+        assert any(r["decision"].get("vector_width") == 256 for r in pieces.values() if r["kind"] == "kernel")
     exe, _ = _exe(opts.replace(tune="off"))
     _, _, keys = lowering_groups(exe.plan.graph, exe.plan.micro_graphs, opts, db.decisions(opts), with_keys=True)
     assert set(keys) <= set(pieces)     # every lowering group (under the stored stitch decisions) has a decision
@@ -177,6 +182,14 @@ def test_a_tuned_gemm_blocking_changes_the_compiled_gemm_not_the_numbers(tmp_pat
     assert plan_steps(exe) != plan_steps(untuned)
     for a, b in zip(out, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # 8-wide vectors (the vl candidate, AVX-512 hosts): another module, the same numbers
+    db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
+        "kind": "gemm", "decision": {"blocking": {"vl": 8, "nr": 16}}}})
+    exe, out = _exe(_opts(tmp_path))
+    cg = _gemm_step(exe).compiled
+    assert (cg.blocking.vl, cg.blocking.nr) == (8, 16) and "<8 x float>" in cg.ir
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # a field this version does not know, or an nr the micro-kernel cannot take: the default
     db.write(str(tmp_path / "tuning.json"), {gemm_key(step.compiled.desc): {
         "kind": "gemm", "decision": {"blocking": {"nr": 24, "wide": 3}}}})
@@ -198,6 +211,8 @@ def test_gemm_candidates_change_the_code_or_tiles():
     for d in (mm, conv):
         cands = gemm_candidates(d, {}, 2)
         assert {"threads", "mr", "nr", "kc-", "kc+"} <= set(cands) <= set(GEMM_ROUNDS), cands
+        if default_blocking(d).vl == 16:    # AVX-512: 8-wide vectors (N 196: 8 columns pad to 200, not 208)
+            assert cands["vl"]["blocking"] == {"vl": 8, "nr": 16 if d is mm else 8}, cands["vl"]
         base = default_blocking(d), layout(d, default_blocking(d), 2)
         for label, dec in cands.items():
             bl, one = tuned_blocking(d, dec)
@@ -279,3 +294,76 @@ def test_cost_corrections_recalibrate_layer3(tmp_path):
     db.write_corrections(ap.Options(cache_dir=str(tmp_path)), {"kernel": 1e-6}, {"kernel": 4})
     assert groups() == [4]
     assert groups(tune="off") == [1, 1, 1, 1]       # "off" ignores the corrections too
+
+
+def test_decisions_timed_on_a_busy_machine_are_refused(tmp_path, monkeypatch):
+    """Other processes held the cores while the tuner timed (here: any share counts as too
+    much): no decision is stored, the pieces keep the defaults, the records say why and carry
+    the load, and a warning says it; ``allow_load=True`` stores them anyway."""
+    import apollo_py.tuning.tuner as T
+    monkeypatch.setattr(T, "MIN_GAIN", -1e9)
+    monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
+    monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    monkeypatch.setattr(T, "TILE_CANDIDATES", ())
+    monkeypatch.setattr(T, "PARTS_CANDIDATES", (1,))
+    monkeypatch.setattr(T, "GEMM_ROUNDS", ("threads",))
+    monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", -1.0)
+    opts = _opts(tmp_path)
+    with pytest.warns(RuntimeWarning, match="none were stored"):
+        res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False)
+    assert res.refused and "tune again on a quiet machine" in res.refused and not res.changed and res.rejected
+    pieces = json.load(open(res.db))["machines"][db.machine_key()]["pieces"]
+    assert pieces and all(r["decision"] == {} and r["refused"] for r in pieces.values())
+    ev = next(iter(pieces.values()))["load"]
+    assert ev["others_share"] is not None and ev["cpus"] >= 1 and len(ev["loadavg"]) == 2
+    assert "NOT STORED" in res.summary()
+    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False, allow_load=True)
+    assert not res.refused and res.changed
+    assert all("refused" not in r for r in json.load(open(res.db))["machines"][db.machine_key()]["pieces"].values())
+
+
+def test_the_load_window_counts_other_processes_not_this_one():
+    """A busy process that is not this one (nor a child it waited for) shows in
+    ``others_share``."""
+    import time
+    from apollo_py.tuning import load as L
+    if L._cpu_busy() is None:
+        pytest.skip("no /proc/stat")
+    total = os.cpu_count() or 1
+    w = L.start()
+    # a grandchild (the shell exits at once): its CPU time is not in this process's os.times()
+    subprocess.run(["sh", "-c", f"{sys.executable} -c 'import time; t = time.time()\n"
+                                "while time.time() - t < 1.5: pass' >/dev/null 2>&1 &"], check=True)
+    time.sleep(1.6)
+    ev = w.stop()
+    assert ev["others_share"] >= 0.6 / total, ev
+    assert L.too_busy({**ev, "others_share": 0.9}, 0.25) and not L.too_busy({**ev, "others_share": 0.1}, 0.25)
+
+
+def test_blas_flip_is_confirmed_then_replayed(tmp_path, monkeypatch):
+    """A generated -> BLAS flip that wins its round goes through the "blas confirm" round (a
+    second paired look at the piece and the whole run) before it is stored; replayed, the
+    matmul runs on BLAS with the same numbers."""
+    import apollo_py.tuning.tuner as T
+    from apollo_py.runtime.blas import BlasStep, cblas
+    if cblas() is None:
+        pytest.skip("no cblas next to numpy")
+    monkeypatch.setattr(T, "MIN_GAIN", -1e9)
+    monkeypatch.setattr(T, "SLOWER_ROUND", 1e9)
+    monkeypatch.setattr(T, "_ab_ratio", lambda *a, **k: 2.0)
+    monkeypatch.setattr(T.load, "MAX_OTHERS_SHARE", 1e9)
+    monkeypatch.setattr(T, "TILE_CANDIDATES", ())
+    monkeypatch.setattr(T, "PARTS_CANDIDATES", ())
+    monkeypatch.setattr(T, "KERNEL_ROUNDS", ())
+    monkeypatch.setattr(T, "GEMM_ROUNDS", ())
+    assert T.TRY_BLAS
+    opts = _opts(tmp_path)
+    res = tune(_graph(), options=opts, feeds=_feeds(), budget=20, repeat=2, progress=False)
+    assert "blas confirm" in [r[0] for r in res.rounds]
+    flips = {k: r for k, r in res.records.items() if r["decision"].get("gemm") == "blas"}
+    assert len(flips) == 1 and "blas confirm" in next(iter(flips.values()))["candidates"], res.records
+    exe, out = _exe(opts)
+    assert any(isinstance(s, BlasStep) for s in exe.steps)
+    _, want = _exe(opts.replace(tune="off"))
+    for a, b in zip(out, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
