@@ -7,8 +7,9 @@ instead of 2.  Streaming stores (``movntps``) write whole lines without reading 
 How a kernel gets them (all in the renderer; the runtime is unchanged):
 
 1. :func:`nontemporal_params` picks the params to stream: outputs of at least
-   ``NT_MIN_BYTES`` that the kernel never reads, every store to which sits directly in an
-   innermost ``vector`` loop at an index ``base + i`` (``i`` that loop's variable, bounds and
+   ``NT_MIN_BYTES`` (or ``NT_MIN_OUTPUT_BYTES`` when the kernel moves ``NT_MIN_BYTES`` in
+   all) that the kernel never reads, every store to which sits directly in an innermost
+   ``vector`` (or serial) loop at an index ``base + i`` (``i`` that loop's variable, bounds and
    ``base`` multiples of one 64-byte vector), so every widened store covers whole lines,
    and whose loop computes no transcendental (streaming slows those loops down, measured at
    _EXPENSIVE_OPS).
@@ -47,6 +48,17 @@ from apollo_py.errors import CompileError
 # 1 and 2 threads: 8 MiB out 1.03 / 1.07, 16 MiB 1.01 / 0.98, 24 MiB 0.96 / 1.04,
 # 32 MiB 0.88 / 0.96, 48 MiB 0.63 / 0.71, 192 MiB 0.67 / 0.42.
 NT_MIN_BYTES = 32 << 20
+# ... and outputs of at least NT_MIN_OUTPUT_BYTES stream when the kernel moves at least
+# NT_MIN_BYTES in all (its params, read and written): a working set past the last-level cache
+# (32 MiB on the 2-core EPYC, Zen 5, 1 MiB L2/core) that the kernel streams through evicts the
+# oldest lines first, so the next kernel, reading the output from its start, finds none of it
+# in cache whether it was stored ordinarily or not -- the read-for-ownership only costs.
+# Measured on that box (2 threads, load 4-5, per-call interleaved medians of 150 calls,
+# NT/plain time): LayerNorm [8192, 768] (24 MiB out, 48 MiB moved) 0.68 / 0.71 in two runs,
+# and the plain row's time there was 2.4x the streamed one at times (the read-for-ownership
+# shares the memory bus with the neighbours); x * s + b over [8192, 768] 0.70 / 0.82.  Under
+# the cache size it does not pay (x * s + b: 12 MiB out, 24 moved 1.00; 8 MiB out 1.02).
+NT_MIN_OUTPUT_BYTES = 8 << 20
 # A loop that stores while it computes a transcendental per element is slowed down by
 # streaming on this box, though the same loop with ordinary stores is memory-bound (1 thread,
 # o = f(a), rows of 3072 float32, 48 MiB, NT/plain time): 2x 0.58, x/(x*x+1) 0.61, a degree-8
@@ -93,7 +105,13 @@ def _streamable(store: L.Store, loop, guarded: bool) -> bool:
     """True when every widened store of ``store`` covers whole 64-byte-aligned vectors and
     the loop around it computes no transcendental (see _EXPENSIVE_OPS)."""
     size = _SIZES.get(store.buf.dtype)
-    if size is None or loop is None or guarded or loop.kind != "vector" or _expensive(loop.body):
+    if size is None or loop is None or guarded or _expensive(loop.body):
+        return False
+    # an innermost serial loop too (LayerNorm's scaling loop keeps private scalars, so it is
+    # not marked ``vector``, and LLVM vectorises it all the same): if LLVM leaves it scalar,
+    # mark_nontemporal finds no vector store to mark and the stores stay ordinary
+    if loop.kind not in ("vector", "serial") or (loop.kind == "serial" and any(
+            isinstance(n, L.For) for n in L.walk(loop.body))):
         return False
     vec = VECTOR_BYTES // size
     if not (isinstance(loop.lo, L.Const) and isinstance(loop.hi, L.Const)):
@@ -109,11 +127,14 @@ def _streamable(store: L.Store, loop, guarded: bool) -> bool:
 def nontemporal_params(k: L.Kernel, min_bytes: int | None = None) -> tuple:
     """Names of the params of ``k`` whose stores should stream (in param order).
 
-    A param qualifies when it holds at least ``min_bytes`` (default NT_MIN_BYTES), is never
-    loaded by ``k``, is stored at least once, and every store to it is streamable (see the
-    module docstring).  Returns ``()`` when none does.
+    A param qualifies when it holds at least ``min_bytes`` (default NT_MIN_BYTES), or at least
+    NT_MIN_OUTPUT_BYTES in a kernel whose params hold NT_MIN_BYTES in all (``min_bytes`` given:
+    that threshold alone), is never loaded by ``k``, is stored at least once, and every store
+    to it is streamable (see the module docstring).  Returns ``()`` when none does.
     """
     limit = NT_MIN_BYTES if min_bytes is None else min_bytes
+    if min_bytes is None and sum(p.size * _SIZES.get(p.dtype, 0) for p in k.params) >= NT_MIN_BYTES:
+        limit = NT_MIN_OUTPUT_BYTES
     loaded = {n.buf.name for n in L.walk(k.body) if isinstance(n, L.Load)}
     stores: list = []
     _stores(k.body, None, False, stores)

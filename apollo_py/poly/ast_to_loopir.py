@@ -22,6 +22,7 @@ import numpy as np
 
 from ..codegen import loopir as L
 from ..codegen.scalar_ops import scalar_op
+from .column_lanes import rewrite_columns
 from .range_facts import mark_shifted_exp
 from ..errors import CompileError
 from .statements import COMPUTE, INIT, UPDATE, PolyProgram, Statement
@@ -438,7 +439,17 @@ def _vars(e) -> set:
 _LANE_OPS = {"add": "sum", "mul": "prod", "max": "max", "min": "min"}
 
 
-def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int = 256):
+def _lane_identity(op: str, dt: str) -> L.Expr:
+    return L.as_expr(identity_value(_LANE_OPS[op], dt), dt)
+
+
+# Column lanes (poly/column_lanes.py) of at most this many elements: a 16 KiB block of float32
+# lanes, a third of the 48 KiB L1 of the EPYC box (the block and the streamed rows share it).
+COLUMN_LANES = 4096
+
+
+def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int = 256,
+                    column_lanes: int = COLUMN_LANES):
     """Rewrite innermost loops that fold into scalar Locals (``s = s op e``) with ``lanes``
     partial accumulators, so that LLVM vectorises them without ``reassoc``.
 
@@ -451,11 +462,14 @@ def lane_reductions(stmt: L.Stmt, locals_: set, lanes: int = 16, nest_lanes: int
     ``lanes`` and at most ``nest_lanes`` gets ``W`` lanes instead: lane ``l`` (lane 0 starting
     from ``s``) folds ``e(j, l)`` over ``j`` in order, then the ``W`` lanes are folded left to
     right into ``s`` -- one horizontal fold per nest instead of one per row (a reduction over
-    non-adjacent axes, seed listing 3, streams its rows without it).  Returns
+    non-adjacent axes, seed listing 3, streams its rows without it).  Such a nest under a
+    kept loop ``k`` that folds into one output element per ``k`` gets ``K x W`` lanes (at most
+    ``column_lanes``, 0 = never) with ``k`` moved inside the nest's outer loop
+    (:func:`~apollo_py.poly.column_lanes.rewrite_columns`: contiguous reads, same results).  Returns
     ``(stmt, allocs)``; the lane buffers and accumulators ``allocs`` must be declared at the
     top of the kernel.
     """
-    rw = _LaneRewriter(locals_, lanes, nest_lanes)
+    rw = _LaneRewriter(locals_, lanes, nest_lanes, column_lanes)
     return rw.visit(stmt), rw.allocs
 
 
@@ -464,24 +478,30 @@ class _LaneRewriter:
     accumulators it declares, ``counter`` numbers them (shared with
     :func:`_promote_store_reductions`), ``locals_`` the scalar Locals a fold may target."""
 
-    def __init__(self, locals_: set, lanes: int, nest_lanes: int):
+    def __init__(self, locals_: set, lanes: int, nest_lanes: int, column_lanes: int = 0):
         self.allocs: list = []
         self.counter = [0]
         self.locals_ = set(locals_)
-        self.lanes, self.nest_lanes = lanes, nest_lanes
+        self.lanes, self.nest_lanes, self.column_lanes = lanes, nest_lanes, column_lanes
 
-    def visit(self, s):
-        """``s`` with every innermost fold loop rewritten (nests first tried as a whole)."""
+    def visit(self, s, inside: bool = False):
+        """``s`` with every innermost fold loop rewritten (nests first tried as a whole);
+        ``inside``: under a loop (the outermost loop becomes the parallel one, which must stay
+        a kept dim: column lanes never swap it)."""
         if isinstance(s, L.Block):
-            return L.Block(tuple(self.visit(x) for x in s.stmts))
+            return L.Block(tuple(self.visit(x, inside) for x in s.stmts))
         if isinstance(s, L.If):
-            return L.If(s.cond, self.visit(s.then), None if s.else_ is None else self.visit(s.else_))
+            return L.If(s.cond, self.visit(s.then, inside),
+                        None if s.else_ is None else self.visit(s.else_, inside))
         if isinstance(s, L.For):
             if _has(s.body, L.For):
                 nest = self.rewrite_nest(s) if self.nest_lanes else None
+                if nest is None and self.column_lanes and inside:
+                    nest = rewrite_columns(s, self.lanes, self.column_lanes, self.counter, self.allocs,
+                                           _lane_identity)
                 if nest is not None:
                     return nest
-                return L.For(s.var, s.lo, s.hi, self.visit(s.body), s.kind)
+                return L.For(s.var, s.lo, s.hi, self.visit(s.body, True), s.kind)
             return self.rewrite_loop(s)
         return s
 

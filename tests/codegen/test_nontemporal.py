@@ -65,8 +65,11 @@ def test_large_output_gets_an_nt_impl_and_aligned_and_unaligned_outputs_match_nu
 
 def test_small_or_reread_or_misaligned_outputs_render_no_nt_stores():
     attrs = _x86_attrs()
-    small = K.broadcast_add_mul(BIG_ROWS // 2, COLS)            # half the threshold
+    small = K.broadcast_add_mul(BIG_ROWS // 4, COLS)            # 8 MiB out, 16 MiB moved
     assert NT.nontemporal_params(small) == ()
+    # 16 MiB out of a kernel that moves 32 MiB: past the last-level cache, streamed
+    assert NT.nontemporal_params(K.broadcast_add_mul(BIG_ROWS // 2, COLS)) == ("o",)
+    assert NT.nontemporal_params(K.broadcast_add_mul(BIG_ROWS // 2, COLS), NT.NT_MIN_BYTES) == ()
     text = render_llvm(small, attrs)
     assert ".impl.nt" not in text and "sfence" not in text and "nontemporal" not in text
     assert "!nontemporal" not in compile_llvm(small).ir
@@ -86,7 +89,14 @@ def test_small_or_reread_or_misaligned_outputs_render_no_nt_stores():
         return Kernel("k", (x, o), body, "i", (1 << 22) // cols)
 
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j), 0) == ("o",)
-    assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j, kind="serial"), 0) == ()
+    # an innermost serial loop streams too (LLVM vectorises it; if not, nothing is marked),
+    # a loop with a loop inside it, or an unrolled one, does not
+    assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j, kind="serial"), 0) == ("o",)
+    assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j, kind="unroll"), 0) == ()
+    inner = for_("j", 0, 128, Store(o, i * 128 + j, x[i * 128 + j]), "vector")
+    outer_store = Store(o, i, x[i])      # unit stride in i, but i's loop holds j's loop
+    mixed = Kernel("m", (x, o), for_("i", 0, 1 << 15, L.block(inner, outer_store), "serial"), None, None)
+    assert NT.nontemporal_params(mixed, 0) == ()
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j, cols=120), 0) == ()   # 120 % 16
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j + 1), 0) == ()         # base + 1
     assert NT.nontemporal_params(nest(lambda i, j, c: i * c + j * 2), 0) == ()         # stride 2
@@ -185,3 +195,30 @@ def test_mark_nontemporal_marks_aligned_vector_stores_derived_from_streamed_para
     assert "!nontemporal !1, !tbaa !0" in text
     assert NT.mark_nontemporal(IR, "absent", ["o"]) == (IR, 0)
     assert NT.mark_nontemporal(IR, "k.impl.nt", ["w"])[1] == 1
+
+
+def test_layernorm_past_the_cache_streams_its_output_and_matches_numpy(rng):
+    """LayerNorm [8192, 768]: 24 MiB out, 48 MiB moved -- streamed (NT_MIN_OUTPUT_BYTES), though
+    its scaling loop keeps private scalars (a serial loop) and its output is under NT_MIN_BYTES."""
+    _x86_attrs()
+    n, d = 8192, 768
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    g = (rng.standard_normal(d) * 0.5 + 1).astype(np.float32)
+    b = (rng.standard_normal(d) * 0.1).astype(np.float32)
+    node = helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (n, d))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, (n, d))],
+                              initializer=[helper.make_tensor("g", TensorProto.FLOAT, (d,), g),
+                                           helper.make_tensor("b", TensorProto.FLOAT, (d,), b)])
+    f = jit(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), target="cpu")
+    y = f(x=x)
+    x64 = x.astype(np.float64)
+    m = x64.mean(-1, keepdims=True)
+    want = (x64 - m) / np.sqrt(((x64 - m) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    kernels = [s.compiled for s in f.specialization({"x": (n, d)}).steps if hasattr(s, "compiled")]
+    assert len(kernels) == 1 and NT.nontemporal_params(kernels[0].kernel) == ("y",)
+    assert "movntps" in compile_llvm(kernels[0].kernel).asm
+    out = _unaligned(x.size).reshape(n, d)              # the ordinary impl for a 4-byte-offset out=
+    f(x=x, out=out)
+    np.testing.assert_array_equal(out, y)
