@@ -248,7 +248,9 @@ def pad_chunks(d) -> int:
     """Chunks of channel planes the ``pad`` kernel's work is claimed in (0: read in place)."""
     if in_place(d.conv):
         return 0
-    return min(d.conv.n * d.conv.c, PAD_CHUNKS)
+    planes = d.conv.n * d.conv.c
+    per = -(-planes // min(planes, PAD_CHUNKS))     # planes per chunk (the last one may be short)
+    return -(-planes // per)
 
 
 #: the padded copy is claimed in at most this many chunks of channel planes
