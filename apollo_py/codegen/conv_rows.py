@@ -51,6 +51,8 @@ MAX_PAD_BYTES = 64 << 20
 NC_MAX = 256
 #: the layout splits rows, then columns, until there are this many tiles per thread
 TILES_PER_THREAD = 4
+#: prefetch the epilogue's output lines during the last K block (:func:`_prefetch_ir`)
+PREFETCH = True
 #: 1x1 convs (stride 1, no padding) read their input in place (no copy at all)
 POINTWISE = True
 #: a 1x1 conv read in place has at least this many pixels (one full NR panel; fewer: the side
@@ -307,6 +309,44 @@ def _segments_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str, cpr: str, mr: st
             "snext:", "  br label %scond"]
 
 
+def _prefetched(d) -> list:
+    """``(argument index among the epilogue's buffers, write)`` of the buffers the epilogue
+    reads or writes at the output's own index (outputs, full-size operands such as a residual
+    input): what :func:`_prefetch_ir` prefetches."""
+    if not PREFETCH or d.out_perm is not None:
+        return []
+    full = [(q, False) for q, o in enumerate(d.operands) if tuple(o.shape) == tuple(d.out_shape)]
+    return full + [(len(d.operands) + q, True) for q in range(len(d.outputs))]
+
+
+def _prefetch_ir(d, bl, r: RowsGeom) -> list:
+    """On the last K block, before column panel ``%jb``'s micro-kernel: prefetch the output
+    (and full-size operand) lines that the row panel's epilogue will touch for these NR grid
+    columns.  The output is written once per call, a few MB at 56x56 (3.2 MB for 256 channels),
+    and its lines are not in cache: without this the epilogue's stores wait for one line after
+    another (store misses are not prefetched by the hardware the way a load stream is); the
+    micro-kernel's time covers the prefetches' latency."""
+    bufs = _prefetched(d)
+    if not bufs:
+        return []
+    g = d.conv
+    ohw = g.oh * g.ow
+    lines = -(-bl.nr // 16) + 1         # NR floats from any alignment
+    s = ["  br i1 %last, label %pfb, label %pfe", "pfb:",
+         "  %pgj = add i64 %j0, %jb", f"  %poh = udiv i64 %pgj, {r.q}", f"  %pohq = mul i64 %poh, {r.q}",
+         "  %pow0 = sub i64 %pgj, %pohq", f"  %pow = call i64 @llvm.smin.i64(i64 %pow0, i64 {g.ow})",
+         f"  %pc0 = mul i64 %poh, {g.ow}", "  %pcol = add i64 %pc0, %pow",
+         f"  %pr0 = mul i64 %b, {d.m}", "  %pr1 = add i64 %pr0, %i0", f"  %pr2 = mul i64 %pr1, {ohw}",
+         "  %pbase = add i64 %pr2, %pcol"]
+    for q, write in bufs:
+        for row in range(bl.mr):
+            for ln in range(lines):
+                s += [f"  %pf{q}_{row}_{ln} = getelementptr float, ptr %x{q}, i64 %pbase",
+                      f"  %pg{q}_{row}_{ln} = getelementptr float, ptr %pf{q}_{row}_{ln}, i64 {row * ohw + 16 * ln}",
+                      f"  call void @llvm.prefetch.p0(ptr %pg{q}_{row}_{ln}, i32 {int(write)}, i32 3, i32 1)"]
+    return s + ["  br label %pfe", "pfe:"]
+
+
 def _panels_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> list:
     """One K block of a tile: per MR-row panel (its packed weight in L1) every NR-column panel,
     then on the last K block that row panel's epilogue.  (Column panels outer, each gathered
@@ -324,13 +364,14 @@ def _panels_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str) -> list:
             f"  %crow = add i64 %crow0, {bl.nr}",
             "  %cpr = getelementptr float, ptr %cscr, i64 %crow",
             "  br label %jcond",
-            "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jbody]",
+            "jcond:", f"  %jp = phi i64 [0, %ibody], [%jpn, %{'pfe' if _prefetched(d) else 'jbody'}]",
             "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %jdone",
             "jbody:",
             f"  %jb = mul i64 %jp, {bl.nr}",
             "  %bpn = getelementptr float, ptr %xb, i64 %jb",
             "  %cp = getelementptr float, ptr %cpr, i64 %jb",
             *_side_ir(d, bl, r),
+            *_prefetch_ir(d, bl, r),
             "  call void @rows.micro(ptr %ap, ptr %bp, ptr %tp, ptr %cp, i64 %kc, i1 %first)",
             "  %jpn = add i64 %jp, 1", "  br label %jcond",
             "jdone:", "  br i1 %last, label %epib, label %inext",
@@ -429,6 +470,7 @@ def _main_ir(d, bl, lay: RowsLayout, r: RowsGeom, epi: str, pad: str, npad: int)
             *([index_table("rows.stab", [k * bl.nr for k in range(d.k)])] if side_tail(g, bl.nr) else []),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
             "declare i64 @llvm.smin.i64(i64, i64)", "declare i32 @sched_yield()",
+            "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
             *(["declare void @llvm.x86.sse2.pause()"] if _x86() else []),
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
@@ -550,7 +592,7 @@ def compile_conv_rows(d, threads: int, bl=None, cache_dir: Optional[str] = None)
                  f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
                  "!0 = distinct !{!0, !1}\n!1 = !{!\"llvm.loop.unroll.count\", i32 4}\n")
         return link_ir(d.name, main, texts)
-    engine, ir = compile_module(repr(("conv_rows", d, bl, lay, _source_digest())), build, cache_dir, d.name)
+    engine, ir = compile_module(repr(("conv_rows", d, bl, lay, PREFETCH, _source_digest())), build, cache_dir, d.name)
     apk = L.Param("apk_all", "float32", d.a_batches * lay.npan_a * d.k * bl.mr)
     xpp = L.Param("xpad", "float32", d.conv.n * d.conv.c * geom.ch
                   + (0 if in_place(d.conv) else geom.q + lay.njc * lay.nc + bl.nr))
