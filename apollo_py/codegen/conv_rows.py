@@ -49,8 +49,10 @@ ENABLED = True
 MAX_PAD_BYTES = 64 << 20
 #: grid columns per B block: ``KC x NC`` floats of input rows read from L2 by every row panel
 NC_MAX = 256
-#: the layout splits rows, then columns, until there are this many tiles per thread
-TILES_PER_THREAD = 4
+#: the layout splits rows, then columns, until there are this many tiles per thread: the
+#: threads claim tiles one at a time, so the last tile bounds the time one thread waits for the
+#: other (a 28x28 conv: 16 tiles instead of 8; the generated GEMM's TILES_PER_THREAD is 8 too)
+TILES_PER_THREAD = 8
 #: prefetch the epilogue's output lines during the last K block (:func:`_prefetch_ir`)
 PREFETCH = True
 #: 1x1 convs (stride 1, no padding) read their input in place (no copy at all)
