@@ -221,3 +221,31 @@ def test_rows_layout_tiles_and_equal_column_blocks():
     grid = 56 * 58
     assert lay.njc * lay.nc >= grid > (lay.njc - 1) * lay.nc and lay.nc <= CR.NC_MAX
     assert lay.njc * lay.nc - grid < 32 * lay.njc      # no block more than a panel short
+
+
+def test_row_conv_concurrent_callers():
+    """Two Python threads calling one compiled row-reading conv at once: each call has its own
+    counter and padded copy, and the pool's helper calls of one never take the other's work."""
+    import threading
+    xs = (1, 16, 20, 20)
+    m = conv_model(xs, (24, 16, 3, 3), pads=(1, 1, 1, 1), act="Relu", bn=True)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    rng = np.random.default_rng(10)
+    xs_ = [rng.standard_normal(xs).astype(np.float32) for _ in range(2)]
+    wants = [ort_run(m, {"x": x})[0] for x in xs_]
+    f(x=xs_[0])
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(15):
+                np.testing.assert_allclose(f(x=xs_[i]), wants[i], rtol=1e-4, atol=1e-4 * float(np.abs(wants[i]).max()))
+        except AssertionError as exc:      # re-raised on the test's thread
+            errors.append(exc)
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[0]
+    assert "row-reading conv" in str(f.plan)
