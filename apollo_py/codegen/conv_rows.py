@@ -23,8 +23,10 @@ per k from ``xpad + tab[k] + j``, unaligned.  Tiles are ``(image*group, column b
 group)``; since nothing is packed per tile, the rows are split among threads before the columns
 (a small-spatial conv reads its weight once).  The ``MR x NR`` results of a row panel go to a
 row-major ``MR x (NC + NR)`` scratch block, and after the last K block the GEMM's epilogue
-kernel (``gemm._epilogue_kernel``, unchanged) runs once per grid-row segment of valid columns.
-The weight is packed once (``gemm._pack_a_kernel``).
+kernel (``gemm._epilogue_kernel``, unchanged) runs once per grid-row segment of valid columns;
+during that last K block the output lines the epilogue will store are prefetched.  The weight
+is packed once (``gemm._pack_a_kernel``).  One call per thread does everything: chunks of the
+padded copy, then tiles, both claimed from a counter (:func:`_main_ir`), as the generated GEMM.
 
 A 1x1 conv at stride 1 without padding reads its input itself (no copy; its last partial
 panel reads a small zero-padded side copy).  Chosen by :func:`rows_reason` for CPU convs with a
