@@ -63,10 +63,10 @@ class GemmStep:
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
             nthreads = int(threads or os.cpu_count() or 1)
-            from ..codegen.conv_rows import compile_conv_rows, rows_reason
+            from ..codegen.conv_rows import compile_conv_rows, rows_blocking, rows_reason
             if d.conv is not None and d.a_const and rows_reason(d):
                 # a gemm: piece too (tuning/space.py: rows_candidates); never inline
-                bl, _ = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
+                bl, _ = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None, rows_blocking(d))
                 try:
                     cg = compile_conv_rows(d, nthreads, bl, cache_dir=cache_dir)
                 except CompileError:
@@ -229,12 +229,14 @@ def gemm_key(d) -> str:
     return "gemm:" + canonical(d).name[len("gemm_"):]
 
 
-def tuned_blocking(d, decision):
+def tuned_blocking(d, decision, base=None):
     """``(Blocking or None, one thread or None)`` of GEMM ``d`` under a tuning ``decision``
     (``{"blocking": {field: value}, "threads": 1 | 2}``); ``(None, None)``: the compiler's
     defaults (codegen/gemm.py: ``default_blocking``, ``SMALL_FLOPS``).  Fields a decision names
     that this version does not know, or values the micro-kernel cannot take (``nr`` not a
-    multiple of ``vl``), leave the default: a database outlives the code that wrote it."""
+    multiple of ``vl``), leave the default: a database outlives the code that wrote it.  The
+    decision's fields replace those of ``base`` (default: ``default_blocking(d)``; a row-reading
+    conv passes its own, ``conv_rows.rows_blocking``)."""
     if not decision:
         return None, None
     from dataclasses import fields as dc_fields
@@ -243,7 +245,7 @@ def tuned_blocking(d, decision):
     known = {f.name for f in dc_fields(Blocking)}     # whatever this version's Blocking has
     fields = {k: v for k, v in (decision.get("blocking") or {}).items() if k in known}
     if fields:
-        cand = replace(default_blocking(d), **fields)
+        cand = replace(base or default_blocking(d), **fields)
         sizes_ok = all(v is None or isinstance(v, bool) or (isinstance(v, int) and v >= 1) for v in fields.values())
         if sizes_ok and cand.nr >= cand.vl and cand.nr % cand.vl == 0:
             bl = cand

@@ -85,10 +85,11 @@ def rows_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
     thread, direct-A, tile-split or B-block candidate (it always runs on the pool, reads the
     input rows in place and blocks B by ``nc_max``).  Labels: ``mr``, ``nr``, ``kc-``, ``kc+``,
     ``panels-``, ``panels+``, ``nc-``, ``nc+``, ``vl`` (a subset of :data:`GEMM_ROUNDS`)."""
-    from ..codegen.conv_rows import NC_MAX, in_place, rows_geom, rows_layout
-    from ..codegen.gemm import default_blocking, k_blocks
+    from ..codegen.conv_rows import NC_MAX, in_place, rows_blocking, rows_geom, rows_layout
+    from ..codegen.gemm import k_blocks
     from ..runtime.gemm_step import tuned_blocking
-    bl = tuned_blocking(desc, decision)[0] or default_blocking(desc)
+    base = rows_blocking(desc)
+    bl = tuned_blocking(desc, decision, base)[0] or base
     lay = rows_layout(desc, bl, threads)
     grid = rows_geom(desc.conv).grid
     fields = dict((decision or {}).get("blocking") or {})

@@ -148,3 +148,104 @@ def test_tuner_plan_steps_reads_a_row_reading_conv():
     assert "row-reading conv" in str(f.plan)
     rows = plan_steps(f.specialization({"x": x.shape}))
     assert any(r[-1] is False and len(r) >= 5 for r in rows if r[0] == "gemm"), rows
+
+
+def _rows_step(f, xs):
+    from apollo_py.runtime.gemm_step import GemmStep
+    exe = f.specialization({"x": xs})
+    steps = [s for s in exe.steps if isinstance(s, GemmStep) and type(s.compiled).__name__ == "CompiledConvRows"]
+    assert len(steps) == 1, str(f.plan)
+    return steps[0], exe
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_conv_pad_chunks_and_counter(threads):
+    """38 channel planes (2 images x 19) are copied in 13 chunks of 3 planes claimed from the
+    counter (one crosses the image boundary, the last has 2), then the tiles are claimed; one
+    thread (no pool) and two give onnxruntime's numbers, call after call."""
+    from apollo_py.codegen import conv_rows as CR
+    xs = (2, 19, 15, 13)
+    m = conv_model(xs, (24, 19, 3, 3), pads=(1, 1, 1, 1), act="Relu", bn=True)
+    rng = np.random.default_rng(8)
+    f = apollo_py.jit(m, options=Options(num_threads=threads))
+    step, _ = _rows_step(f, xs)
+    d = step.compiled.desc
+    assert CR.pad_chunks(d) == 13
+    for _ in range(5):
+        x = rng.standard_normal(xs).astype(np.float32)
+        want = ort_run(m, {"x": x})[0]
+        np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_row_conv_late_helper_finds_no_work():
+    """A pool helper whose call starts after the caller's returned (a late wake-up) finds every
+    pad chunk and tile claimed and returns without touching the output."""
+    from apollo_py.codegen.conv_rows import pad_chunks
+    xs = (1, 8, 12, 12)
+    m = conv_model(xs, (16, 8, 3, 3), pads=(1, 1, 1, 1), act="Relu")
+    x = np.random.default_rng(9).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    want = ort_run(m, {"x": x})[0]
+    cr = _rows_step(f, xs)[0].compiled
+    seen = {}
+    run = cr.run
+    cr.run = lambda pool, a, b, ops, outs: seen.update(a=a, ops=ops)
+    f(x=x)
+    cr.run = run
+    out = np.empty(want.shape, np.float32)
+    xp = np.empty(cr.pad_size + cr.slack, np.float32)
+    xp[cr.pad_size:] = 0.0
+    counter = np.zeros(4, np.int64)
+    ptrs = cr.main.pack_args([cr.packed_a(seen["a"]), xp, cr._no_side, x, *seen["ops"], out, counter])
+    cr.main.cfunc(ptrs, 0, 1)           # the caller alone: every chunk and tile
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert counter[1] == pad_chunks(cr.desc) == 8 and counter[3] == cr.layout.tiles
+    out[...] = np.nan
+    cr.main.cfunc(ptrs, 1, 2)           # a helper arriving late
+    assert np.isnan(out).all()
+
+
+def test_rows_layout_tiles_and_equal_column_blocks():
+    """Column blocks as equal as the NR panels allow (a 28x28 3x3 conv's 840 grid columns: 4
+    blocks of 224, not 3 of 256 and one of 72), and at least TILES_PER_THREAD tiles a thread."""
+    from apollo_py.codegen import conv_rows as CR
+    from apollo_py.codegen.gemm import Blocking, conv_desc
+    d = conv_desc("c", (1, 128, 28, 28), (128, 128, 3, 3), (1, 128, 28, 28),
+                  {"group": 1, "strides": (1, 1), "pads": (1, 1, 1, 1), "dilations": (1, 1)}, "c")
+    bl = Blocking(16, 12, 32)
+    lay = CR.rows_layout(d, bl, 2)
+    assert lay.nc == 224 and lay.njc == 4 and lay.tiles >= CR.TILES_PER_THREAD * 2
+    d56 = conv_desc("c", (1, 64, 56, 56), (64, 64, 3, 3), (1, 64, 56, 56),
+                    {"group": 1, "strides": (1, 1), "pads": (1, 1, 1, 1), "dilations": (1, 1)}, "c")
+    lay = CR.rows_layout(d56, Blocking(16, 8, 32), 2)
+    grid = 56 * 58
+    assert lay.njc * lay.nc >= grid > (lay.njc - 1) * lay.nc and lay.nc <= CR.NC_MAX
+    assert lay.njc * lay.nc - grid < 32 * lay.njc      # no block more than a panel short
+
+
+def test_row_conv_concurrent_callers():
+    """Two Python threads calling one compiled row-reading conv at once: each call has its own
+    counter and padded copy, and the pool's helper calls of one never take the other's work."""
+    import threading
+    xs = (1, 16, 20, 20)
+    m = conv_model(xs, (24, 16, 3, 3), pads=(1, 1, 1, 1), act="Relu", bn=True)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    rng = np.random.default_rng(10)
+    xs_ = [rng.standard_normal(xs).astype(np.float32) for _ in range(2)]
+    wants = [ort_run(m, {"x": x})[0] for x in xs_]
+    f(x=xs_[0])
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(15):
+                np.testing.assert_allclose(f(x=xs_[i]), wants[i], rtol=1e-4, atol=1e-4 * float(np.abs(wants[i]).max()))
+        except AssertionError as exc:      # re-raised on the test's thread
+            errors.append(exc)
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[0]
+    assert "row-reading conv" in str(f.plan)
