@@ -42,10 +42,11 @@ from apollo_py.errors import CompileError
 ENABLED = True
 #: output planes of at most this many pixels take this kernel (larger: conv_rows / implicit GEMM)
 MAX_PIXELS = 196
-FORCE = False
-#: accumulator registers of a micro-tile (of 32 vector registers: the rest hold the weight
-#: vectors; the broadcasts are folded into the FMAs as memory operands)
-ACCS = 28
+
+
+def _registers(vl: int) -> int:
+    """Vector registers of the host's ISA for ``vl``-float vectors (AVX-512: 32, AVX2: 16)."""
+    return 32 if vl >= 16 else 16
 #: a padded copy of at most this many bytes is made on the calling thread (a pool dispatch
 #: costs more than copying it)
 PAD_INLINE_BYTES = 1 << 20
@@ -121,20 +122,53 @@ def _pad_kernel(d, geom: CvecGeom) -> L.Kernel:
     return rows_pad(d, RowsGeom(1, 1, geom.ph, geom.pw, geom.ch, 0, (), ((0, 0),)))
 
 
-def cvec_blocking(g, m: int, vl: int = 16) -> CvecBlocking:
-    """The default blocking of a conv with ``m`` output channels per group: the panel width
-    with the least channel padding (64, then 32, then 16 channels; ties to the wider), and
-    pixel tiles of whole output rows (``cb = OW`` split evenly where it is wider than the
-    tile) with as many rows as the accumulators allow."""
-    best = None
-    for nv in (2, 1):
+#: work per useful FMA of a one-vector panel relative to a two-vector one (1 thread, 14-pixel
+#: tiles: 672 -> 112 channels at 14x14 ran 223 GFLOP/s with two vectors and 14% padded channels,
+#: 202 with one and none; grouped 24-channel 3x3 convs 0.85-0.90x)
+ONE_VECTOR_EFFICIENCY = 0.85
+#: useful fraction of the FMAs below which a small conv (under ``SMALL_CONV_FLOPS``, whose other
+#: path is the implicit GEMM) stays off this kernel
+MIN_EFFICIENCY = 0.5
+#: pixels per tile: with AVX-512, 2 vectors x 14 broadcasts per k fill 28 of the 32 registers
+#: with accumulators; one-vector panels with 28 pixels measured slower (load-bound), so 14 there too
+MAX_TILE_PIXELS = 14
+
+
+def _panel_choice(m: int, vl: int) -> tuple:
+    """``(useful fraction, nv)`` of the better panel width (two vectors or one) for ``m`` channels."""
+    best = (0.0, 2)
+    for nv, eff in ((2, 1.0), (1, ONE_VECTOR_EFFICIENCY)):
         nr = nv * vl
-        waste = -(-m // nr) * nr - m
-        if best is None or waste < best[0]:
-            best = (waste, nv)
-    nv = best[1]
-    mr = ACCS // nv
-    mr = min(mr, 14)
+        e = eff * m / (-(-m // nr) * nr)
+        if e > best[0]:
+            best = (e, nv)
+    return best
+
+
+def _rows_fill(d) -> float:
+    """Useful fraction of the row-reading conv's FMAs for conv GEMM ``d`` (its ``MR``-row panels
+    times its ``NR``-column panels over the grid, whose ``Q - OW`` columns a row are dropped),
+    0 where that kernel does not run ``d``: this kernel takes a conv unless its own fraction
+    is lower (at equal fractions its micro-kernel measured 1.1-1.3x faster on one thread; RegNetY's
+    24-channel groups, 0.75 here, ran 0.87x the row kernel's speed at 14x14, where that fills 0.875)."""
+    from .conv_rows import rows_geom, rows_reason
+    from .gemm import blocking_for
+    if not rows_reason(d):
+        return 0.0
+    bl = blocking_for(d.m)
+    g = d.conv
+    grid = rows_geom(g).grid
+    return d.m / (-(-d.m // bl.mr) * bl.mr) * (g.oh * g.ow) / (-(-grid // bl.nr) * bl.nr)
+
+
+def cvec_blocking(g, m: int, vl: int = 16) -> CvecBlocking:
+    """The default blocking of a conv with ``m`` output channels per group: panels of two
+    vectors (32 channels on AVX-512) unless one-vector panels waste enough less padding
+    (:data:`ONE_VECTOR_EFFICIENCY`), and pixel tiles of up to :data:`MAX_TILE_PIXELS` pixels:
+    ``cb`` columns (``OW`` split evenly) by as many rows as fit."""
+    nv = _panel_choice(m, vl)[1]
+    # accumulators: all registers but the weight vectors, a broadcast and one spare
+    mr = min((_registers(vl) - nv - 2) // nv, MAX_TILE_PIXELS)
     cb = -(-g.ow // -(-g.ow // mr))
     rb = max(1, min(g.oh, mr // cb))
     return CvecBlocking(vl, nv, rb, cb)
@@ -163,21 +197,30 @@ def cvec_reason(d, target: str = "cpu") -> str:
     """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
     the channel-vector kernel ("" = not): a CPU conv with a constant weight (the caller
     checks) whose output plane has at most ``MAX_PIXELS`` pixels, at most ``MAX_TAPS`` taps a
-    channel, and whose padded copy (if it needs one) fits ``conv_rows.MAX_PAD_BYTES``."""
+    channel, whose padded copy (if it needs one) fits ``conv_rows.MAX_PAD_BYTES``, and whose
+    padded output channels waste no more FMAs than the row-reading kernel's panels would
+    (:func:`_rows_fill`; at least :data:`MIN_EFFICIENCY` useful where that kernel is not used)."""
     from .conv_rows import MAX_PAD_BYTES, MAX_TAPS
     g = d.conv
     if not ENABLED or g is None or target in ("cuda", "cuda-emu"):
         return ""
     if min(g.n, g.c, g.h, g.w, g.oh, g.ow, d.m, d.k) <= 0 or g.kh * g.kw > MAX_TAPS:
         return ""
-    if g.oh * g.ow > MAX_PIXELS and not FORCE:
+    if g.oh * g.ow > MAX_PIXELS:
+        return ""
+    from .gemm import host_blocking
+    eff = _panel_choice(d.m, host_blocking().vl)[0]
+    if eff < MIN_EFFICIENCY:
+        return ""
+    rows = _rows_fill(d)
+    if eff < rows:
         return ""
     geom = cvec_geom(g)
-    if geom.in_place:
-        return f"vectors along output channels, {g.oh}x{g.ow} pixels broadcast from the input in place"
-    if 4 * g.n * g.c * geom.ch > MAX_PAD_BYTES:
+    if not geom.in_place and 4 * g.n * g.c * geom.ch > MAX_PAD_BYTES:
         return ""
-    return f"vectors along output channels, {g.oh}x{g.ow} pixels broadcast from a padded copy"
+    src = "the input in place" if geom.in_place else "a padded copy"
+    return (f"vectors along output channels, {g.oh}x{g.ow} pixels broadcast from {src}; "
+            f"{100 * eff:.0f}% of FMAs useful" + (f" (row kernel {100 * rows:.0f}%)" if rows else ""))
 
 
 # ------------------------------------------------------------------ IR
@@ -467,7 +510,7 @@ def compile_conv_cvec(d, threads: int, bl: Optional[CvecBlocking] = None,
     that read their input in place run on the calling thread.  Raises CompileError for sizes
     it cannot run or an epilogue op without a scalar lowering."""
     from .cached import compile_module
-    from .gemm import SMALL_CONV_FLOPS, Blocking, _epilogue_kernel, canonical, link_ir
+    from .gemm import SMALL_CONV_FLOPS, Blocking, _epilogue_kernel, canonical, host_blocking, link_ir
     from .llvm import LLVMPrinter, host
     if d.conv is None or not d.a_const or min(d.m, d.n, d.k, d.batch) <= 0:
         raise CompileError(f"{d.name}: channel-vector conv needs a conv with a constant weight and positive sizes")
@@ -476,8 +519,8 @@ def compile_conv_cvec(d, threads: int, bl: Optional[CvecBlocking] = None,
     g = d.conv
     flops = 2 * d.batch * d.m * d.n * d.k
     small = flops < SMALL_CONV_FLOPS
-    bl = bl or cvec_blocking(g, d.m)
-    if bl.nr % bl.vl or bl.vl & (bl.vl - 1) or bl.rb * bl.cb * bl.nv > 32 - bl.nv:
+    bl = bl or cvec_blocking(g, d.m, host_blocking().vl)
+    if bl.nr % bl.vl or bl.vl & (bl.vl - 1) or bl.rb * bl.cb * bl.nv > _registers(bl.vl) - bl.nv:
         raise CompileError(f"{d.name}: channel-vector blocking {bl} does not fit the registers")
     lay = cvec_layout(d, bl, 1 if small else threads)
     geom = cvec_geom(g)

@@ -16,6 +16,14 @@ from apollo_py.codegen import conv_cvec as CV
 sys.path.insert(0, str(Path(__file__).parent))
 from models import conv_model, ort_run  # noqa: E402
 
+@pytest.fixture
+def always_cvec(monkeypatch):
+    """The policy (:func:`~apollo_py.codegen.conv_cvec.cvec_reason`: channel padding against the
+    row kernel's panels, ``test_channel_padding_policy``) lifted: the numbers of these odd sizes."""
+    monkeypatch.setattr(CV, "MIN_EFFICIENCY", 0.0)
+    monkeypatch.setattr(CV, "_rows_fill", lambda d: 0.0)
+
+
 # name -> (x shape, w shape, strides, pads, dilations, group, activation, BatchNorm)
 CASES = {
     "1x1_odd_7x7": ((1, 23, 7, 7), (37, 23, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1, "Relu", True),
@@ -35,7 +43,7 @@ CASES = {
 
 @pytest.mark.parametrize("pool", [False, True], ids=["one_thread", "pool"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cvec_conv_matches_onnxruntime(case, pool, monkeypatch):
+def test_cvec_conv_matches_onnxruntime(case, pool, monkeypatch, always_cvec):
     if pool:        # past SMALL_CONV_FLOPS: tiles (and bands) claimed by the pool's threads
         from apollo_py.codegen import gemm
         monkeypatch.setattr(gemm, "SMALL_CONV_FLOPS", 0)
@@ -69,7 +77,7 @@ def test_layout_splits_rows_into_bands_for_few_panels():
     assert all(b[0] % bl.rb == 0 for b in two.bands)
 
 
-def test_residual_epilogue_and_1d_conv():
+def test_residual_epilogue_and_1d_conv(always_cvec):
     """An epilogue operand indexed by output pixel (the residual add) and a Conv1d (one row)."""
     import onnx
     from onnx import helper, numpy_helper
@@ -136,3 +144,21 @@ def test_other_convs_stay_off_the_channel_vector_kernel(monkeypatch):
     m = conv_model((1, 8, 7, 7), (16, 8, 1, 1), act="Relu")
     f = apollo_py.jit(m, options=Options(num_threads=2))
     assert "channel-vector" not in str(f.plan), str(f.plan)
+
+
+def test_channel_padding_policy():
+    """24 output channels a group (RegNetY) pad to 32 (75% of the FMAs useful): at 14x14 the row
+    kernel fills 87.5% of its panels and keeps the conv; at 7x7 (77% for it) too; 160 channels
+    at 7x7 fill whole panels and take this kernel."""
+    from dataclasses import replace
+
+    from apollo_py.codegen.gemm import conv_desc
+
+    def reason(xs, ws, group, pads=(1, 1, 1, 1)):
+        k = ws[2]
+        ys = (xs[0], ws[0], xs[2] - k + 1 + pads[0] + pads[2], xs[3] - k + 1 + pads[1] + pads[3])
+        d = conv_desc("gemm_c", xs, ws, ys, dict(group=group, strides=(1, 1), pads=pads, dilations=(1, 1)), "y")
+        return CV.cvec_reason(replace(d, a_const=True))
+    assert reason((1, 336, 14, 14), (336, 24, 3, 3), 14) == ""
+    assert reason((1, 888, 7, 7), (888, 24, 3, 3), 37) == ""
+    assert "100% of FMAs useful (row kernel 76%)" in reason((1, 2048, 7, 7), (512, 2048, 1, 1), 1, (0, 0, 0, 0))
