@@ -7,20 +7,20 @@ onnxruntime's NCHWc convs do it:
 
 * the constant weight is packed once into ``[group][panel][K][NR]`` (``NR = nv * VL`` output
   channels per panel, zero padded): ``nv`` aligned vector loads per k;
-* the input is read as broadcasts: pixel ``(oh, ow)`` of im2col row ``k`` is
-  ``xpad[tab[k] + oh * Q + ow]`` -- the padded, phase-split copy and offset table of
-  conv_rows (:func:`~apollo_py.codegen.conv_rows.rows_geom`, its ``pad`` kernel), or the
-  input itself for a 1x1 conv at stride 1 without padding;
+* the input is read as broadcasts: pixel ``(oh, ow)`` of im2col row ``k`` (channel, tap) is
+  ``src[tab[k] + oh * sh * pw + ow * sw]`` (:class:`CvecGeom`) -- the input itself where no
+  tap reaches into padding (1x1 convs without padding, strided ones too), else a plain
+  zero-padded copy (conv_rows' ``pad`` kernel with a one-phase geometry): strides and
+  dilations are displacements, no phase split;
 * a *pixel tile* of ``rb x cb`` output pixels (``rb`` rows of ``cb`` columns; constant
-  displacements ``dr * Q + dc``, so no grid column is computed and dropped) times one panel
-  is the register block: ``rb * cb * nv`` accumulators, per k ``nv`` vector loads and
-  ``rb * cb`` broadcasts (folded into the FMAs);
+  displacements, so no grid column is computed and dropped) times one panel is the register
+  block: ``rb * cb * nv`` accumulators, per k ``nv`` vector loads and ``rb * cb`` broadcasts;
 * parallel tiles are ``(image * group, panel, pixel band)``: all of a panel's pixels in one
   tile (its weight panel read once per call) unless there are too few panels for the
   threads, then bands of output rows;
 * per tile and K block (``kc``) every pixel tile of the band runs the micro-kernel into a
   pixel-major scratch ``[pixel][NR]`` (stored on the first K block, added on the others);
-  after the last, 16x16 in-register transposes turn it into ``[NR][pixels]`` and the GEMM's
+  after the last, ``VL x VL`` in-register transposes turn it into ``[NR][pixels]`` and the GEMM's
   epilogue kernel (``gemm._epilogue_kernel``, unchanged: bias, activations, residual
   operands) stores the band's rows of NCHW output.
 
