@@ -1,7 +1,7 @@
 """Batch-1 conv path: apollo_py against onnxruntime, per conv shape and per whole model.
 
     python benchmarks/conv_bench.py [--threads 2] [--rounds 7] [--shapes-only | --models-only]
-                                    [--zoo DIR] [--only SUBSTR ...] [--json PATH]
+                                    [--zoo DIR] [--only SUBSTR ...] [--json PATH] [--ab MODULE.FLAG]
 
 Shapes: single convs (dense 3x3 / 1x1 / 7x7 stem, strided, depthwise 3x3 / 5x5 / 7x7, grouped,
 the squeeze-excitation 1x1 conv of a 1x1 image), each with BatchNormalization and an activation
@@ -12,6 +12,10 @@ built here (Conv + BatchNormalization + Relu, basic blocks, max pool, global ave
 1x3x224x224) and ResNet-50, MobileNetV3-large, EfficientNet-B0, RegNetY-1.6GF, U-Net and
 Whisper-tiny's encoder from the zoo directory (benchmarks/zoo/export.py; default
 ``$APOLLO_PY_ZOO_DIR`` or ``~/.cache/apollo_py_zoo``) when present.
+
+``--ab MODULE.FLAG`` (e.g. ``conv_cvec.ENABLED``, a switch of ``apollo_py.codegen.MODULE``) also
+compiles every case with that switch off and times it in the same rounds ("old" column, and the
+median per-round ratio new / old).
 
 Each row: apollo_py (``Options(num_threads=N)``) and onnxruntime (all graph optimisations,
 ``intra_op_num_threads=N``, no spinning -- benchmarks/run.py's session) in one process,
@@ -48,6 +52,18 @@ SHAPES = {
     "dw7_96_56": ((1, 96, 56, 56), (96, 1, 7, 7), (1, 1), (3, 3, 3, 3), 96, None),
     "grouped24_3x3_48_56": ((1, 48, 56, 56), (48, 24, 3, 3), (1, 1), (1, 1, 1, 1), 2, "Relu"),
     "se_960to240": ((1, 960, 1, 1), (240, 960, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
+    # small output planes (codegen/conv_cvec.py): ResNet-50's stages 3-4, MobileNetV3 / EfficientNet /
+    # RegNetY's 1x1 convs at 14x14 and 7x7
+    "3x3_512_7": ((1, 512, 7, 7), (512, 512, 3, 3), (1, 1), (1, 1, 1, 1), 1, "Relu"),
+    "3x3_512_s2_14": ((1, 512, 14, 14), (512, 512, 3, 3), (2, 2), (1, 1, 1, 1), 1, "Relu"),
+    "1x1_2048to512_7": ((1, 2048, 7, 7), (512, 2048, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
+    "1x1_512to2048_7": ((1, 512, 7, 7), (2048, 512, 1, 1), (1, 1), (0, 0, 0, 0), 1, None),
+    "1x1_s2_1024to2048_14": ((1, 1024, 14, 14), (2048, 1024, 1, 1), (2, 2), (0, 0, 0, 0), 1, None),
+    "1x1_1024to256_14": ((1, 1024, 14, 14), (256, 1024, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
+    "1x1_672to112_14": ((1, 672, 14, 14), (112, 672, 1, 1), (1, 1), (0, 0, 0, 0), 1, None),
+    "1x1_160to960_7": ((1, 160, 7, 7), (960, 160, 1, 1), (1, 1), (0, 0, 0, 0), 1, "HardSwish"),
+    "1x1_888_7": ((1, 888, 7, 7), (888, 888, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
+    "1x1_336_14": ((1, 336, 14, 14), (336, 336, 1, 1), (1, 1), (0, 0, 0, 0), 1, "Relu"),
 }
 
 # squeeze-excitation tails of mobile blocks (tests/conv/models.py se_block_model): depthwise conv +
@@ -150,7 +166,25 @@ def _extra_model(spec):
     return getattr(models, builder)(xs, *args, **kw)
 
 
-def bench(name: str, model, feeds: dict, threads: int, rounds: int, cache_dir: str) -> dict:
+def _switched_off(ab: str):
+    """A context in which the module switch ``ab`` ("MODULE.FLAG" of apollo_py.codegen) is False."""
+    import contextlib
+    import importlib
+
+    @contextlib.contextmanager
+    def ctx():
+        mod_name, flag = ab.rsplit(".", 1)
+        mod = importlib.import_module(f"apollo_py.codegen.{mod_name}")
+        was = getattr(mod, flag)
+        setattr(mod, flag, False)
+        try:
+            yield
+        finally:
+            setattr(mod, flag, was)
+    return ctx()
+
+
+def bench(name: str, model, feeds: dict, threads: int, rounds: int, cache_dir: str, ab: str = "") -> dict:
     import apollo_py
     from apollo_py import Options
     from run import _ort_session
@@ -163,24 +197,38 @@ def bench(name: str, model, feeds: dict, threads: int, rounds: int, cache_dir: s
     compile_s = time.perf_counter() - t0
     s = _ort_session(data, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, threads)
     want = s.run(None, feeds)
-    ms = _time_interleaved({"apollo": lambda: f(**feeds), "ort": lambda: s.run(None, feeds)}, rounds)
+    fns = {"apollo": lambda: f(**feeds), "ort": lambda: s.run(None, feeds)}
+    if ab:      # the same model with the switch off: its own cache directory (the plans differ)
+        with _switched_off(ab):
+            f_old = apollo_py.jit(model, options=Options(num_threads=threads, cache_dir=cache_dir + "_old"))
+            f_old(**feeds)
+        fns["old"] = lambda: f_old(**feeds)
+    ms = _time_interleaved(fns, rounds)
     err = _rel_err(got if isinstance(got, (list, tuple)) else [got], want)
     kinds: dict = {}
     for k in f.plan.kernels:
         key = ("direct conv" if "direct conv" in k.reason else "implicit GEMM" if "implicit-GEMM" in k.reason
+               else "channel-vector conv" if "channel-vector conv" in k.reason
+               else "row-reading conv" if "row-reading conv" in k.reason
                else "blas" if k.blas is not None
                else "pool kernel" if k.fused is not None and k.fused.strategy == "pool"
                else "kernel" if k.fused is not None else "numpy")
         kinds[key] = kinds.get(key, 0) + 1
-    return {"name": name, "apollo_ms": ms["apollo"], "ort_ms": ms["ort"], "ratio": ms["apollo"] / ms["ort"],
-            "rel_err": err, "compile_s": compile_s, "steps": kinds}
+    row = {"name": name, "apollo_ms": ms["apollo"], "ort_ms": ms["ort"], "ratio": ms["apollo"] / ms["ort"],
+           "rel_err": err, "compile_s": compile_s, "steps": kinds}
+    if ab:
+        row.update(old_ms=ms["old"], new_old=ms["apollo"] / ms["old"])
+    return row
 
 
 def _print(rows, title):
     print(f"\n{title}  ({_load()})")
-    print(f"  {'case':<24} {'apollo ms':>10} {'ort ms':>9} {'ratio':>6} {'rel err':>8}  steps")
+    ab = any("old_ms" in r for r in rows)
+    print(f"  {'case':<24} {'apollo ms':>10} {'ort ms':>9} {'ratio':>6} {'rel err':>8}"
+          + (f" {'old ms':>9} {'new/old':>7}" if ab else "") + "  steps")
     for r in rows:
-        print(f"  {r['name']:<24} {r['apollo_ms']:10.3f} {r['ort_ms']:9.3f} {r['ratio']:6.2f} {r['rel_err']:8.1e}  "
+        print(f"  {r['name']:<24} {r['apollo_ms']:10.3f} {r['ort_ms']:9.3f} {r['ratio']:6.2f} {r['rel_err']:8.1e}"
+              + (f" {r['old_ms']:9.3f} {r['new_old']:7.2f}" if ab else "") + "  "
               + ", ".join(f"{k} {v}" for k, v in sorted(r["steps"].items())))
     if rows:
         geo = float(np.exp(np.mean([np.log(r["ratio"]) for r in rows])))
@@ -196,6 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--zoo", default=os.environ.get("APOLLO_PY_ZOO_DIR", str(Path.home() / ".cache" / "apollo_py_zoo")))
     ap.add_argument("--only", nargs="*", default=())
     ap.add_argument("--json", default="")
+    ap.add_argument("--ab", default="", help="MODULE.FLAG of apollo_py.codegen: also time with it off")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     cache = tempfile.mkdtemp(prefix="conv_bench_")
@@ -206,17 +255,17 @@ def main(argv=None) -> int:
         for name, spec in SHAPES.items():
             if want(name):
                 x = rng.standard_normal(spec[0]).astype(np.float32)
-                rows.append(bench(name, _shape_model(spec), {"x": x}, args.threads, args.rounds, cache))
+                rows.append(bench(name, _shape_model(spec), {"x": x}, args.threads, args.rounds, cache, args.ab))
         sys.path.insert(0, str(HERE.parent / "tests" / "conv"))
         from models import se_block_model
         for name, kw in SE_BLOCKS.items():
             if want(name):
                 x = rng.standard_normal(kw["x_shape"]).astype(np.float32)
-                rows.append(bench(name, se_block_model(**kw), {"x": x}, args.threads, args.rounds, cache))
+                rows.append(bench(name, se_block_model(**kw), {"x": x}, args.threads, args.rounds, cache, args.ab))
         for name, spec in EXTRA.items():
             if want(name):
                 x = rng.standard_normal(spec[1]).astype(np.float32)
-                rows.append(bench(name, _extra_model(spec), {"x": x}, args.threads, args.rounds, cache))
+                rows.append(bench(name, _extra_model(spec), {"x": x}, args.threads, args.rounds, cache, args.ab))
         _print(rows, f"single convs + BatchNorm + activation, SE blocks, other conv steps, batch 1, {args.threads} threads, "
                      f"median of {args.rounds} interleaved rounds")
         out["shapes"] = rows
@@ -224,14 +273,14 @@ def main(argv=None) -> int:
         rows = []
         if want("resnet18_like"):
             x = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
-            rows.append(bench("resnet18_like", resnet18_like(), {"x": x}, args.threads, args.rounds, cache))
+            rows.append(bench("resnet18_like", resnet18_like(), {"x": x}, args.threads, args.rounds, cache, args.ab))
         zoo = Path(args.zoo)
         manifest = json.loads((zoo / "manifest.json").read_text()) if (zoo / "manifest.json").exists() else {}
         from zoo import _inputs
         for fn in ZOO_MODELS:
             if fn in manifest and (zoo / fn).exists() and want(fn):
                 rows.append(bench(fn.replace(".onnx", ""), str(zoo / fn), _inputs(manifest[fn]), args.threads,
-                                  args.rounds, cache))
+                                  args.rounds, cache, args.ab))
         _print(rows, f"whole models, batch 1, {args.threads} threads, median of {args.rounds} interleaved rounds")
         out["models"] = rows
     out["load_after"] = _load()

@@ -233,9 +233,12 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
             what = f"direct conv{one_d} (generated; {direct})"
         else:
             desc = conv_desc(name, xs, ws, os_, attrs, head.outputs[0], **epi)
+            from ..codegen.conv_cvec import cvec_reason
             from ..codegen.conv_rows import rows_reason
-            rows = rows_reason(desc, options.target) if w in consts else ""
-            what = (f"row-reading conv{one_d} (generated; {rows})" if rows
+            cvec = cvec_reason(desc, options.target) if w in consts else ""
+            rows = "" if cvec else rows_reason(desc, options.target) if w in consts else ""
+            what = (f"channel-vector conv{one_d} (generated; {cvec})" if cvec
+                    else f"row-reading conv{one_d} (generated; {rows})" if rows
                     else f"implicit-GEMM conv{one_d} (generated)")
         desc = replace(desc, out_shape=shape)   # buffers and epilogue operands keep the graph's shape
     else:

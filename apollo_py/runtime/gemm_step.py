@@ -63,8 +63,11 @@ class GemmStep:
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
             nthreads = int(threads or os.cpu_count() or 1)
+            from ..codegen.conv_cvec import compile_conv_cvec, cvec_reason
             from ..codegen.conv_rows import compile_conv_rows, rows_blocking, rows_reason
-            if d.conv is not None and d.a_const and rows_reason(d):
+            if d.conv is not None and d.a_const and cvec_reason(d):
+                cg = compile_conv_cvec(d, nthreads, cache_dir=cache_dir)    # not tuned (yet)
+            elif d.conv is not None and d.a_const and rows_reason(d):
                 # a gemm: piece too (tuning/space.py: rows_candidates); never inline
                 bl, _ = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None, rows_blocking(d))
                 try:

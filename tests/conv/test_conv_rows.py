@@ -16,9 +16,11 @@ from models import conv_model, ort_run  # noqa: E402
 @pytest.fixture(autouse=True)
 def _rows_for_small_convs(monkeypatch):
     """The cases here are small (fast to test): below ``SMALL_CONV_FLOPS`` they would run on the
-    calling thread's implicit GEMM, so the threshold is lifted for them."""
-    from apollo_py.codegen import gemm
+    calling thread's implicit GEMM, so the threshold is lifted for them; their small output planes
+    would take the channel-vector kernel (tests/conv/test_conv_cvec.py), so that is switched off."""
+    from apollo_py.codegen import conv_cvec, gemm
     monkeypatch.setattr(gemm, "SMALL_CONV_FLOPS", 0)
+    monkeypatch.setattr(conv_cvec, "ENABLED", False)
 
 # name -> (x shape, w shape, strides, pads, dilations, group, activation, BatchNorm)
 CASES = {

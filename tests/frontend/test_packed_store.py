@@ -137,6 +137,13 @@ def test_changed_blocking_is_not_read_and_is_repacked(tmp_path, stats, monkeypat
     def other(*args, **kw):
         return replace(chosen(*args, **kw), mr=swap[chosen(*args, **kw).mr])
     monkeypatch.setattr(gemm, "blocking_for", other)
+    # the 12x12 conv runs on the channel-vector kernel (codegen/conv_cvec.py): its panel width
+    from apollo_py.codegen import conv_cvec
+    cv_chosen = conv_cvec.cvec_blocking
+    def cv_other(*args, **kw):     # 16 output channels: one vector a panel -> two
+        b = cv_chosen(*args, **kw)
+        return replace(b, nv=3 - b.nv)
+    monkeypatch.setattr(conv_cvec, "cvec_blocking", cv_other)
     f = compile_and_check(path, cache)
     s = stats()
     assert s["mapped"] == 2 and s["packed"] == 2 and s["written"] == 2, s
