@@ -226,7 +226,12 @@ def _erf(fn: _Fn, x: str) -> str:
     z = fn.f("fmul", c, c)
     p = fn.f("fmul", c, fn.poly(z, _ERF_P))
     q = fn.poly(z, _ERF_Q)
-    return fn.f("fdiv", p, q)
+    r = fn.f("fdiv", p, q)
+    # |x| < 2^-12: erf(x) = 2/sqrt(pi) x (1 - x^2/3 ...) to 2e-8; one rounding, so subnormal x
+    # keeps its precision (x P(x^2) underflows first in the rational)
+    ax = fn.op(f"call float @llvm.fabs.f32(float {x})")
+    lin = fn.f("fmul", x, fconst(1.1283791670955126))
+    return fn.sel(fn.cmp("olt", ax, fconst(2.0 ** -12)), lin, r)
 
 
 def _sigmoid(fn: _Fn, x: str) -> str:
