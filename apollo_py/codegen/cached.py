@@ -45,7 +45,10 @@ def _backend_digest() -> str:
     a change there invalidates pieces even when the rendered text stays the same."""
     from ..fsutil import files_digest
     here = os.path.dirname(__file__)     # by file: gemm imports this module
-    return files_digest(os.path.join(here, name) for name in ("llvm.py", "gemm.py", "cached.py"))
+    # a GEMM module is keyed by its descriptor, not its text: every file its text comes from
+    # counts (the main kernel's IR, the math functions an erf / exp epilogue inlines)
+    return files_digest(os.path.join(here, name) for name in
+                        ("llvm.py", "gemm.py", "gemm_ir.py", "cached.py", "llvm_math.py", "scalar_ops.py"))
 
 
 def positional(k: L.Kernel) -> L.Kernel:

@@ -241,6 +241,9 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
     if is_matvec(g):
         return _matvec_kernel(d, w, x, ops, outs)
+    from apollo_py.codegen import conv_dw_rows
+    if conv_dw_rows.applies(d):     # 7x7 and larger depthwise: row-blocked (conv_dw_rows.py)
+        return conv_dw_rows.dw_rows_kernel(d, w, x, ops, outs)
     sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
                enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
@@ -495,7 +498,8 @@ def direct_conv_key(d: DirectConvDesc) -> str:
     import hashlib
     from ..cache import piece_key
     from .cached import _backend_digest
-    digest = hashlib.sha256(f"{d!r}|{_source_digest()}".encode()).hexdigest()
+    from . import conv_dw_rows
+    digest = hashlib.sha256(f"{d!r}|{_source_digest()}|{conv_dw_rows.applies(d)}".encode()).hexdigest()
     return piece_key(digest, "cpu-direct-conv", {"backend": _backend_digest()})
 
 
@@ -506,7 +510,8 @@ def _source_digest() -> str:
     from ..fsutil import files_digest
     here = os.path.dirname(__file__)
     return files_digest(os.path.join(here, f) for f in
-                        ("conv_direct.py", "loopir.py", "printer.py", "llvm_math.py", "scalar_ops.py"))
+                        ("conv_direct.py", "conv_dw_rows.py", "loopir.py", "printer.py", "llvm_math.py",
+                         "scalar_ops.py"))
 
 
 def render_direct_conv(d: DirectConvDesc) -> str:

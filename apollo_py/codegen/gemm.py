@@ -420,8 +420,31 @@ def _operand_index(op: EpiOperand, out_shape: tuple, row_dims: int, row: L.Expr,
     return idx
 
 
+def _row_run(d: GemmDesc) -> int:
+    """Rows of C that lie one after another in ``transpose(C, out_perm)``: the product of the
+    trailing row dims that are, in order, the innermost stored dims (ConvNeXt's ``[N, H, W, C]
+    -> [N, C, H, W]``: H * W); 1 when the innermost stored dim is not a row dim."""
+    if d.out_perm is None:
+        return 0
+    run, q = 1, d.row_dims - 1
+    for p in reversed(d.out_perm):
+        if p != q or q < 0:
+            break
+        run *= d.out_shape[q]
+        q -= 1
+    return run
+
+
+def _col_only(o: EpiOperand, d: GemmDesc) -> bool:
+    """Whether epilogue operand ``o`` is constant along C's rows (a bias, a per-column scale)."""
+    shape = (1,) * (len(d.out_shape) - len(o.shape)) + tuple(o.shape)
+    return all(s == 1 for s in shape[:d.row_dims])
+
+
 def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
     from apollo_py.codegen.scalar_ops import scalar_op
+    if _row_run(d) >= bl.mr and all(_col_only(o, d) for o in d.operands):
+        return _epilogue_kernel_rows(d, bl)
     tile, info, *params = _epilogue_params(d, bl)
     ops, outs = params[:len(d.operands)], params[len(d.operands):]
     ii, jj = L.Var("ii"), L.Var("jj")
@@ -446,6 +469,48 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
         stmts.append(L.Store(outs[q], lin, env[v]))
     inner = L.for_("jj", 0, L.Load(info, L.Const(3)), L.block(*stmts), "vector")
     loops = L.for_("ii", 0, bl.mr, inner, "parallel")
+    return L.Kernel(f"{d.name}_epi", (tile, info, *ops, *outs), loops, "ii", bl.mr)
+
+
+def _epilogue_kernel_rows(d: GemmDesc, bl: Blocking) -> L.Kernel:
+    """The epilogue of a result stored transposed so that consecutive rows of C are consecutive
+    in memory (:func:`_row_run`): per tile column, one vector loop over the ``MR`` rows whose
+    stores are contiguous -- the row-major loop (vectorised over columns) stored every element
+    at a stride of the plane size, a scatter.  Runs once per tile (the first of the call's row
+    range); a tile straddling the end of a run of rows, or with fewer than ``MR`` rows, takes a
+    scalar loop.  Operands must be constant along rows (:func:`_col_only`)."""
+    from apollo_py.codegen.scalar_ops import scalar_op
+    tile, info, *params = _epilogue_params(d, bl)
+    ops, outs = params[:len(d.operands)], params[len(d.operands):]
+    V = L.Var
+    r, jj = V("r"), V("jj")
+    run = _row_run(d)
+    row0 = L.Load(info, L.Const(0)) * d.m + L.Load(info, L.Const(1))
+    col = L.Load(info, L.Const(2)) + jj
+
+    def body(lin: L.Expr, row: L.Expr) -> L.Block:
+        stmts = [L.Local("v_head", "float32", L.Load(tile, r * bl.nr + jj))]
+        env: dict = {d.head: L.Var("v_head", "float32")}
+        for q, o in enumerate(d.operands):
+            env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, d.row_dims, row, col))
+        env.update(d.inline_consts)
+        for q, n in enumerate(d.nodes):
+            e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
+            stmts.append(L.Local(f"v{q}", e.dtype, e))
+            env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+        return L.block(*stmts, *(L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)))
+
+    zero = L.Const(0)
+    fast = L.for_("jj", 0, L.Load(info, L.Const(3)), L.block(
+        L.Local("cpart", "int64", permuted_index(d.out_shape, d.out_perm, d.row_dims, zero, col)),
+        L.for_("r", 0, bl.mr, body(V("base") + V("cpart") + r, row0 + r), "vector")))
+    slow = L.for_("jj", 0, L.Load(info, L.Const(3)), L.for_(
+        "r", 0, V("nrows"), body(permuted_index(d.out_shape, d.out_perm, d.row_dims, row0 + r, col), row0 + r)))
+    once = L.block(
+        L.Local("nrows", "int64", L.minimum(L.Const(bl.mr), d.m - L.Load(info, L.Const(1)))),
+        L.Local("base", "int64", permuted_index(d.out_shape, d.out_perm, d.row_dims, row0, zero)),
+        L.If(L.land(L.eq(V("nrows"), bl.mr), L.le(row0 % run + bl.mr, run)), fast, slow))
+    loops = L.for_("ii", 0, bl.mr, L.If(L.eq(V("ii"), 0), once), "parallel")
     return L.Kernel(f"{d.name}_epi", (tile, info, *ops, *outs), loops, "ii", bl.mr)
 
 

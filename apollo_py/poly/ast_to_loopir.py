@@ -340,7 +340,7 @@ def mark_loops(stmt: L.Stmt, parallel: bool):
         if isinstance(s, L.For):
             body = inner(s.body)
             kind = s.kind
-            if kind == "serial" and not _has(body, L.For) and not _has(body, L.Assign) \
+            if kind == "serial" and not _has(body, L.For) and _per_iteration(body) \
                     and all(_mentions(st.index, s.var.name) for st in _stores(body)):
                 kind = "vector"
             return L.For(s.var, s.lo, s.hi, body, kind)
@@ -357,6 +357,25 @@ def mark_loops(stmt: L.Stmt, parallel: bool):
             out = new
             par["var"], par["extent"] = top.var.name, int(top.hi.value)
     return out, par["var"], par["extent"]
+
+
+def _per_iteration(body) -> bool:
+    """Whether every Assign in loop ``body`` (no inner loops) sets a temporary of the current
+    iteration: the body is Assigns and Stores only, and no statement reads a local that the body
+    assigns before the body has assigned it (that would carry a value across iterations, like
+    an accumulator).  Such a loop vectorises like one without locals (the direct strategy's
+    elementwise chains keep their intermediate values in them)."""
+    stmts = body.stmts if isinstance(body, L.Block) else (body,)
+    if not all(isinstance(x, (L.Assign, L.Store)) for x in stmts):
+        return False
+    pending = {x.name for x in stmts if isinstance(x, L.Assign)}
+    for x in stmts:
+        exprs = (x.value,) if isinstance(x, L.Assign) else (x.index, x.value)
+        if any(isinstance(v, L.Var) and v.name in pending for e in exprs for v in L.walk(e)):
+            return False
+        if isinstance(x, L.Assign):
+            pending.discard(x.name)
+    return True
 
 
 def _stores(s) -> list:
