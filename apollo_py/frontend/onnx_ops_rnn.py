@@ -135,12 +135,15 @@ def _recurrent(cx):
         peephole = 1
     if aux is None:
         aux = b.constant(np.zeros((nd, hsz if lbr else 1), dtype))
-    ins = [xp, r, state(5, "initial_h"), lens, aux]
+    # R transposed for the phased kernel's outer products (codegen/recurrent.py; a constant R
+    # folds at compile time); GRU without linear_before_reset keeps the row-dot kernel
+    rt = int(cell != "gru" or bool(lbr))
+    ins = [xp, b.transpose(r, perm=(0, 2, 1)) if rt else r, state(5, "initial_h"), lens, aux]
     if cell == "lstm":
         ins.append(state(6, "initial_c"))
     outs = b.op("recurrent", *ins, cell=cell, hidden=hsz, directions=dirs, acts=acts,
                 clip=-1.0 if clip is None else float(clip), lbr=lbr, input_forget=input_forget,
-                peephole=peephole)
+                peephole=peephole, rt=rt)
 
     # 3. outputs in the node's layout
     y, states = outs[0], list(outs[1:])

@@ -8,7 +8,8 @@ and hidden size ``H``:
 * ``xp``  ``[T, B, D*G*H]``: projected inputs with the biases that fold in (direction ``d``'s
   gates are columns ``d*G*H .. (d+1)*G*H``, in ONNX gate order: LSTM i o f c, GRU z r h);
 * ``r``   ``[D, G*H, H]``: the recurrence weights as ONNX stores them (row ``g*H + j`` is unit
-  ``j`` of gate ``g``);
+  ``j`` of gate ``g``); with ``rt = 1``, their transpose ``[D, H, G*H]`` (what the phased
+  kernel reads: ``R^T``'s row ``i`` holds every unit's weight of state element ``i``);
 * ``h0``  ``[D, B, H]``: the initial hidden state;
 * ``lens`` ``[B]`` int32: sequence lengths (``T`` for every row when the model gives none);
 * ``aux`` ``[D, A]``: GRU with ``linear_before_reset``: ``Rbh`` (``A = H``); LSTM with peepholes:
@@ -22,7 +23,7 @@ A reverse direction runs ``t = lens[b]-1 .. 0`` (ONNX's reverse within each sequ
 Attributes: ``cell`` ("lstm", "gru", "rnn"), ``hidden``, ``directions`` ("forward"/"reverse"
 per direction), ``acts`` (per direction, the ``(name, alpha, beta)`` triples of its
 activation functions f, g, h), ``clip`` (< 0: none), ``lbr`` (GRU linear_before_reset),
-``input_forget`` (LSTM), ``peephole`` (LSTM: use ``aux``).
+``input_forget`` (LSTM), ``peephole`` (LSTM: use ``aux``), ``rt`` (``r`` is transposed).
 
 The op is opaque (its time loop is sequential) and lowers to one generated kernel
 (:mod:`apollo_py.codegen.recurrent`); the numpy reference below is the definition it is tested
@@ -74,7 +75,8 @@ def _infer(ins, a):
     if xp.rank != 3 or xp.shape[2] != d * g * h:
         raise ShapeError(f"recurrent {cell}: projected input {xp.shape} is not [T, B, {d * g * h}]")
     t, b = xp.shape[:2]
-    if r.shape != (d, g * h, h) or h0.shape != (d, b, h) or lens.shape != (b,) or aux.rank != 2 \
+    r_shape = (d, h, g * h) if a.get("rt") else (d, g * h, h)
+    if r.shape != r_shape or h0.shape != (d, b, h) or lens.shape != (b,) or aux.rank != 2 \
             or aux.shape[0] != d:
         raise ShapeError(f"recurrent {cell}: operand shapes {r.shape}, {h0.shape}, {lens.shape}, {aux.shape} "
                          f"do not match T={t}, B={b}, D={d}, H={h}")
@@ -104,7 +106,7 @@ def _reference(xs, a):
 
     for d, direction in enumerate(a["directions"]):
         f = [np_activation(*act) for act in a["acts"][d]]
-        rd = r[d]
+        rd = r[d].T if a.get("rt") else r[d]
         for b in range(batch):
             n = int(min(max(int(lens[b]), 0), tlen))
             h = np.array(h0[d, b], copy=True)
@@ -145,5 +147,5 @@ def _reference(xs, a):
 
 register(OpDef("recurrent", DATA_DEPENDENT, _infer, _reference, arity=(5, 6),
                attrs={"cell": REQUIRED, "hidden": REQUIRED, "directions": REQUIRED, "acts": REQUIRED,
-                      "clip": -1.0, "lbr": 0, "input_forget": 0, "peephole": 0},
+                      "clip": -1.0, "lbr": 0, "input_forget": 0, "peephole": 0, "rt": 0},
                doc="the time loop of an ONNX LSTM / GRU / RNN over projected inputs (ops/recurrent.py)"))

@@ -199,6 +199,13 @@ class CpuExecutable:
                     out.append(("kernels", g))
 
         for s in self.steps:
+            if isinstance(s, KernelStep) and _phases(s):
+                # phases in order (codegen/phased.py): never chunked alongside other kernels
+                if group:
+                    flush()
+                    group = []
+                out.append(("kernels", [s]))
+                continue
             if isinstance(s, KernelStep):
                 if group:
                     written = {v for g in group for v in g.outputs}
@@ -360,6 +367,9 @@ class CpuExecutable:
                 parts = _parts(s, self.machine)
                 if parts <= 1:
                     s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
+                elif _phases(s):
+                    from ..codegen.phased import run_phased
+                    run_phased(pool, s.compiled, args, _phases(s))
                 else:
                     ext = s.compiled.parallel_extent
                     pool.run(s.compiled, args, min_chunk=-(-ext // parts))
@@ -395,6 +405,11 @@ def _reshape_aliases(steps) -> dict:
             v = s.nodes[0].inputs[0]
             root[s.outputs[0]] = root.get(v, v)
     return root
+
+
+def _phases(step) -> int:
+    """Phases of a kernel step whose parallel loop must run phase after phase (0: any split)."""
+    return getattr(step.fused, "phases", 0) if step.fused is not None else 0
 
 
 def _writes_buffers(step) -> bool:
@@ -492,6 +507,8 @@ def _parts(step, machine) -> int:
     nbytes = _bytes(step, machine)
     if nbytes < machine.inline_bytes:
         return 1
+    if _phases(step):       # its chunks per phase, shared by every thread (codegen/phased.py)
+        return ext
     return max(1, min(ext, nbytes // machine.chunk_bytes))
 
 
