@@ -328,14 +328,14 @@ class CpuExecutable:
             with self._program_lock:    # two first calls at once build it once
                 prog = self._program
                 if prog is None:
-                    from ..codegen.driver import data_offset, drive_function
-                    self._driver_fn = self._driver_fn or drive_function()
+                    from ..codegen.driver import data_offset, drive_block_function
+                    self._driver_fn = self._driver_fn or drive_block_function()
                     self._offset = data_offset()
                     prog = self._program = drive.build_program(
                         self, lambda s: isinstance(s, KernelStep) and _parts(s, self.machine) <= 1)
         tables = arena.driver
         if tables is None:
-            tables = arena.driver = drive.DriverTables(prog, arena, self.constants)
+            tables = arena.driver = drive.DriverTables(prog, arena, self.constants, self._offset)
         env = tables.env.copy()
         env.update(feeds)
         offset = self._offset
