@@ -248,8 +248,12 @@ def phased(attrs) -> bool:
 
 def unit_chunks(hidden: int, directions: int, threads: int) -> int:
     """Chunks of hidden units per direction and phase: the threads the directions leave idle
-    (one chunk each, so that each thread keeps streaming the same rows of R from its L2)."""
-    return max(1, min(hidden, -(-threads // directions)))
+    (one chunk each, so that each thread keeps streaming the same rows of R from its L2), or
+    fewer, so that every chunk has the same number of units."""
+    n = max(1, min(hidden, -(-threads // directions)))
+    while hidden % n:
+        n -= 1
+    return n
 
 
 def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dtype: str,
@@ -282,7 +286,7 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     bs = min(4, batch)
     nblk = -(-batch // bs)
     uch = unit_chunks(hsz, nd, threads)
-    usz = -(-hsz // uch)
+    usz = hsz // uch
     nch = nd * uch
 
     xp = L.Param("xp", dtype, t_len * batch * nd * gh)
@@ -302,7 +306,6 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     b, n_b, t_b = L.Var("b"), L.Var("n_b"), L.Var("t_b")
     live = L.Var("live", "bool")
     gates = L.Alloc("gates", dtype, bs * g * usz)
-    # lanes per row as in recurrent_kernel: bs x 2 independent FMA chains sharing each R load
     # units per outer-product block: 4 vector registers a row, bs rows: 16 accumulators
     lanes = 16 if dtype == "float32" else 8
     uw = max(1, min(4 * lanes, usz))
@@ -359,11 +362,12 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
         """gates[k, gi, j - u0] = sum_i h_{t-1}[row k, i] * rT[d, i, gi * H + j] for the chunk's
         units j, every gate gi and every row k of the block: outer products over blocks of
         ``uw`` units (the row's h element broadcast, ``uw`` contiguous units of R^T's row i), so
-        bs x uw / lanes vector accumulators stay in registers and no lane is folded."""
+        bs x uw / lanes vector accumulators stay in registers and no lane is folded.  The last
+        block of a chunk starts ``uw`` units before the chunk's end (it recomputes units of the
+        block before it, the same values): no block reads past the chunk's units."""
         stmts = []
         for gi in range(g):
-            body = [L.Local("jn", "int64", L.minimum(u1 - j0, uw)),
-                    L.for_("q", 0, bs * uw, L.Store(acc, L.Var("q"), cf(0)), "unroll")]
+            body = [L.for_("q", 0, bs * uw, L.Store(acc, L.Var("q"), cf(0)), "unroll")]
             # R^T's row i through a local: the printer's row prefetch (codegen/llvm.py
             # prefetch_plan) would fetch all of a 4 KiB row per i for the uw units read of it
             rrow = L.Var("rrow")
@@ -371,10 +375,10 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
                 L.for_("l", 0, uw, L.Store(
                     acc, k * uw + l_, acc[k * uw + l_] + L.Load(src, offs[k] + iv) * r[rrow + l_]), "vector")
                 for k in range(bs)]))
-            body += [L.for_("l", 0, L.Var("jn"), L.Store(gates, (k * g + gi) * usz + j0 - u0 + l_, acc[k * uw + l_]),
+            body += [L.for_("l", 0, uw, L.Store(gates, (k * g + gi) * usz + j0 - u0 + l_, acc[k * uw + l_]),
                             "vector") for k in range(bs)]
-            stmts.append(L.for_("jq", 0, -(-usz // uw), [L.Local("j0", "int64", u0 + L.Var("jq") * uw),
-                                                          L.If(L.lt(L.Var("j0"), u1), body)]))
+            stmts.append(L.for_("jq", 0, -(-usz // uw), [
+                L.Local("j0", "int64", u0 + L.minimum(L.Var("jq") * uw, usz - uw)), *body]))
         return L.block(*stmts)
 
     acts = attrs["acts"]
@@ -436,7 +440,7 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
                                                              cf(0)), "vector")])])
     body = L.for_("p", 0, (t_len + 1) * nch, [
         L.Local("ph", "int64", p // nch), L.Local("d", "int64", (p % nch) // uch),
-        L.Local("u0", "int64", (p % uch) * usz), L.Local("u1", "int64", L.minimum((p % uch) * usz + usz, hsz)),
+        L.Local("u0", "int64", (p % uch) * usz), L.Local("u1", "int64", (p % uch) * usz + usz),
         gates, acc,
         L.If(L.eq(ph, 0), [init], [L.Local("s", "int64", ph - 1), step])], "parallel")
     k = L.Kernel(name, params, L.block(body), "p", (t_len + 1) * nch)

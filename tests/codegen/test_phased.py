@@ -94,6 +94,7 @@ CASES = [
     ("gru", 70, ("forward", "reverse"), 6, 9, {}),
     ("rnn", 20, ("reverse",), 8, 2, {}),
     ("lstm", 1, ("forward",), 4, 1, {}),
+    ("rnn", 150, ("forward",), 3, 2, {}),      # 75 units a chunk: a 64-unit block, then one shifted back
 ]
 
 
