@@ -246,18 +246,18 @@ def phased(attrs) -> bool:
     return attrs["cell"] != "gru" or bool(attrs["lbr"])
 
 
-def unit_chunks(hidden: int, directions: int, threads: int) -> int:
+def unit_chunks(hidden: int, directions: int, threads: int, multiple: int = 1) -> int:
     """Chunks of hidden units per direction and phase: the threads the directions leave idle
     (one chunk each, so that each thread keeps streaming the same rows of R from its L2), or
-    fewer, so that every chunk has the same number of units."""
+    fewer, so that every chunk has the same number of units, a multiple of ``multiple``."""
     n = max(1, min(hidden, -(-threads // directions)))
-    while hidden % n:
+    while hidden % n or (hidden // n) % multiple:
         n -= 1
     return n
 
 
 def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dtype: str,
-                            threads: int = 2) -> tuple[L.Kernel, int]:
+                            threads: int = 2, rblock: int = 0) -> tuple[L.Kernel, int]:
     """The time loop cut into phases of chunks, for several threads on one recurrence.
 
     Returns ``(kernel, chunks)``: the kernel's parallel loop ``p`` runs over
@@ -285,7 +285,11 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     clip = float(attrs["clip"])
     bs = min(4, batch)
     nblk = -(-batch // bs)
-    uch = unit_chunks(hsz, nd, threads)
+    wb = rblock or gh       # R^T's column block (ops/recurrent.py, rt_block)
+    if wb != gh and (hsz % wb or wb > 8 * (16 if dtype == "float32" else 8)):
+        raise CompileError(f"recurrent phased kernel: R^T block {wb} must divide hidden {hsz} "
+                           f"(and hold at most 8 vectors)")
+    uch = unit_chunks(hsz, nd, threads, 1 if wb == gh else wb)
     usz = hsz // uch
     nch = nd * uch
 
@@ -308,7 +312,7 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     gates = L.Alloc("gates", dtype, bs * g * usz)
     # units per outer-product block: 4 vector registers a row, bs rows: 16 accumulators
     lanes = 16 if dtype == "float32" else 8
-    uw = max(1, min(4 * lanes, usz))
+    uw = max(1, min(4 * lanes, usz)) if wb == gh else wb
     acc = L.Alloc("acc", dtype, bs * uw)
     j0 = L.Var("j0")
     rev = [di for di, dname in enumerate(attrs["directions"]) if dname == "reverse"]
@@ -371,7 +375,11 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
             # R^T's row i through a local: the printer's row prefetch (codegen/llvm.py
             # prefetch_plan) would fetch all of a 4 KiB row per i for the uw units read of it
             rrow = L.Var("rrow")
-            body.append(L.for_("i", 0, hsz, [L.Local("rrow", "int64", (d * hsz + iv) * gh + gi * hsz + j0)] + [
+            if wb == gh:
+                rstart = (d * hsz + iv) * gh + gi * hsz + j0
+            else:       # blocks of wb columns, each [H, wb]: j0 is a multiple of wb
+                rstart = ((d * (gh // wb) + (j0 + gi * hsz) // wb) * hsz + iv) * wb
+            body.append(L.for_("i", 0, hsz, [L.Local("rrow", "int64", rstart)] + [
                 L.for_("l", 0, uw, L.Store(
                     acc, k * uw + l_, acc[k * uw + l_] + L.Load(src, offs[k] + iv) * r[rrow + l_]), "vector")
                 for k in range(bs)]))

@@ -323,7 +323,7 @@ def _recurrent_step(node, graph: Graph, options: Options, group: tuple):
         if not phased(a):
             return None
         # R^T: every step's phase reads all of R once, split between the threads
-        loop, _ = recurrent_phased_kernel(name, a, t_len, batch, aux.shape[1], xp.dtype, threads)
+        loop, _ = recurrent_phased_kernel(name, a, t_len, batch, aux.shape[1], xp.dtype, threads, int(a["rt"]))
         phases = t_len + 1
         moved = t_len * r.nbytes + io
     else:

@@ -16,7 +16,7 @@ from apollo_py.codegen import loopir as L
 from apollo_py.codegen.llvm import compile_llvm
 from apollo_py.codegen.phased import run_phased
 from apollo_py.codegen.recurrent import phased, recurrent_phased_kernel
-from apollo_py.ops.recurrent import GATES, _reference
+from apollo_py.ops.recurrent import GATES, _reference, rows, rt_block
 from apollo_py.runtime.threadpool import ThreadPool
 
 
@@ -84,7 +84,7 @@ def _attrs(cell, hidden, dirs, lbr=1, peephole=0, clip=-1.0, input_forget=0):
     if len(dirs) == 2:      # directions with different activations: the kernel's Select
         acts = [acts[0], [("HardSigmoid", 0.2, 0.5), ("Softsign", 0.0, 0.0), ("Tanh", 0.0, 0.0)]]
     return {"cell": cell, "hidden": hidden, "directions": tuple(dirs), "acts": acts, "clip": clip,
-            "lbr": lbr, "input_forget": input_forget, "peephole": peephole, "rt": 1}
+            "lbr": lbr, "input_forget": input_forget, "peephole": peephole, "rt": rt_block(cell, hidden)}
 
 
 CASES = [
@@ -95,6 +95,8 @@ CASES = [
     ("rnn", 20, ("reverse",), 8, 2, {}),
     ("lstm", 1, ("forward",), 4, 1, {}),
     ("rnn", 150, ("forward",), 3, 2, {}),      # 75 units a chunk: a 64-unit block, then one shifted back
+    ("lstm", 128, ("forward",), 5, 5, {}),     # R^T in blocks of 64 columns, 2 chunks of 64 units
+    ("gru", 192, ("forward", "reverse"), 4, 2, {}),    # blocks of 64, one chunk per direction
 ]
 
 
@@ -104,12 +106,15 @@ def test_recurrent_phased_matches_reference_and_sequential(cell, hidden, dirs, t
     assert phased(a)
     nd, g = len(dirs), GATES[cell]
     aux_len = 3 * hidden if a["peephole"] else hidden if cell == "gru" else 1
-    k, chunks = recurrent_phased_kernel("rnn_phased_test", a, t_len, batch, aux_len, "float32", threads=2)
+    k, chunks = recurrent_phased_kernel("rnn_phased_test", a, t_len, batch, aux_len, "float32", threads=2,
+                                        rblock=a["rt"])
     assert k.parallel_extent == (t_len + 1) * chunks
     kernel = compile_llvm(k)
     rng = np.random.default_rng(hidden + t_len)
     xp = rng.standard_normal((t_len, batch, nd * g * hidden)).astype(np.float32)
-    rt = (rng.standard_normal((nd, hidden, g * hidden)) * 0.3).astype(np.float32)
+    w = a["rt"]
+    rt = (rng.standard_normal((nd, g * hidden // w, hidden, w)) * 0.3).astype(np.float32)
+    assert rows(rt, w).shape == (nd, g * hidden, hidden)
     h0 = rng.standard_normal((nd, batch, hidden)).astype(np.float32)
     lens = rng.integers(0, t_len + 1, batch).astype(np.int32)
     lens[0] = t_len
