@@ -44,6 +44,10 @@ HEAD, STRIDE = 8, 16
 
 PHASED_CFUNCTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
+#: False: :func:`run_phased` runs every phase on the calling thread (one sequential call), for
+#: A/B runs against the two-thread form (as ``runtime/drive.py``'s ``HELPER`` switch)
+ENABLED = True
+
 
 def phased_ir(x86: bool) -> str:
     """LLVM IR text of ``apollo_phased`` (see the module docstring)."""
@@ -176,7 +180,7 @@ def run_phased(pool, kernel, arrays, phases: int) -> None:
     phase after phase; returns when every phase is finished."""
     ptrs = kernel.pack_args(arrays)
     extent = int(kernel.parallel_extent or 0)
-    if pool is None or pool.num_threads < 2 or phases < 1 or extent % phases or extent == phases:
+    if not ENABLED or pool is None or pool.num_threads < 2 or phases < 1 or extent % phases or extent == phases:
         kernel.cfunc(ptrs, 0, extent)
         return
     from .driver import sched_yield_address
