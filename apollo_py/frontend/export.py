@@ -336,6 +336,12 @@ class _Exporter:
         if cell == "gru" and a["lbr"]:   # B's last H columns per direction are Rbh
             bias = self.fresh("B")
             self.node("Concat", [self.const(np.zeros((nd, 2 * gh - hsz), dt), "zeros"), aux], [bias], axis=1)
+        if a.get("rt"):     # the primitive reads R^T in blocks of columns: ONNX takes R
+            t1, t2, r_rows = self.fresh("R"), self.fresh("R"), self.fresh("R")
+            self.node("Transpose", [r], [t1], perm=[0, 2, 1, 3])
+            self.node("Reshape", [t1, self.const(np.array([nd, hsz, gh], np.int64), "shape")], [t2])
+            self.node("Transpose", [t2], [r_rows], perm=[0, 2, 1])
+            r = r_rows
         inputs = [xp, self.const(w, "W"), r, bias, lens, h0]
         if cell == "lstm":
             inputs += [ins[5], aux if a["peephole"] else ""]

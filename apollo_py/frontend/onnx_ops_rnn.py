@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops.recurrent import ACTIVATIONS, GATES
+from ..ops.recurrent import ACTIVATIONS, GATES, rt_block
 from .converters import converter
 
 #: default activations per direction (ONNX spec)
@@ -135,12 +135,19 @@ def _recurrent(cx):
         peephole = 1
     if aux is None:
         aux = b.constant(np.zeros((nd, hsz if lbr else 1), dtype))
+    # R^T in blocks of columns for the phased kernel's outer products (codegen/recurrent.py;
+    # ops/recurrent.py, rt_block; a constant R folds at compile time); GRU without
+    # linear_before_reset keeps the row-dot kernel over R as stored
+    rt = rt_block(cell, hsz, dtype) if cell != "gru" or lbr else 0
+    if rt:
+        r = b.reshape(b.transpose(r, perm=(0, 2, 1)), shape=(nd, hsz, gh // rt, rt))
+        r = b.transpose(r, perm=(0, 2, 1, 3))
     ins = [xp, r, state(5, "initial_h"), lens, aux]
     if cell == "lstm":
         ins.append(state(6, "initial_c"))
     outs = b.op("recurrent", *ins, cell=cell, hidden=hsz, directions=dirs, acts=acts,
                 clip=-1.0 if clip is None else float(clip), lbr=lbr, input_forget=input_forget,
-                peephole=peephole)
+                peephole=peephole, rt=rt)
 
     # 3. outputs in the node's layout
     y, states = outs[0], list(outs[1:])

@@ -45,6 +45,9 @@ class FusedKernel:
     micro_graphs: tuple = ()
     consts: Mapping[str, Any] = field(default_factory=dict)
     object_key: str = ""    # piece key of the loop's object code (codegen/cached.py), when known
+    #: > 0: the parallel loop is that many phases that must run in order (codegen/phased.py:
+    #: the recurrent time loop); the runtime never splits it into concurrent ranges
+    phases: int = 0
 
     @property
     def name(self) -> str:

@@ -304,7 +304,7 @@ def _recurrent_step(node, graph: Graph, options: Options, group: tuple):
     import hashlib
     import os
 
-    from ..codegen.recurrent import block_rows, recurrent_kernel
+    from ..codegen.recurrent import block_rows, phased, recurrent_kernel, recurrent_phased_kernel
     from .layer1 import FusedKernel
     types = graph.types
     xp, aux = types[node.inputs[0]], types[node.inputs[4]]
@@ -315,18 +315,27 @@ def _recurrent_step(node, graph: Graph, options: Options, group: tuple):
     threads = max(1, int(options.num_threads or os.cpu_count() or 1))
     key = f"{xp.dtype}{xp.shape}{aux.shape}{threads}{sorted(a.items())}"
     name = "rnn_" + hashlib.sha1(key.encode()).hexdigest()[:10]
-    loop = recurrent_kernel(name, a, t_len, batch, aux.shape[1], xp.dtype, threads)
     nd, hsz = len(a["directions"]), int(a["hidden"])
     r = types[node.inputs[1]]
-    bs = block_rows(batch, nd, threads)
-    # R is read once per step per block of rows; the rest once per call
-    moved = t_len * nd * -(-batch // bs) * r.nbytes // nd + sum(types[v].nbytes for v in node.inputs) \
-        + sum(types[v].nbytes for v in node.outputs)
+    io = sum(types[v].nbytes for v in node.inputs) + sum(types[v].nbytes for v in node.outputs)
+    phases = 0
+    if a.get("rt"):
+        if not phased(a):
+            return None
+        # R^T: every step's phase reads all of R once, split between the threads
+        loop, _ = recurrent_phased_kernel(name, a, t_len, batch, aux.shape[1], xp.dtype, threads, int(a["rt"]))
+        phases = t_len + 1
+        moved = t_len * r.nbytes + io
+    else:
+        loop = recurrent_kernel(name, a, t_len, batch, aux.shape[1], xp.dtype, threads)
+        bs = block_rows(batch, nd, threads)
+        # R is read once per step per block of rows; the rest once per call
+        moved = t_len * nd * -(-batch // bs) * r.nbytes // nd + io
     ins, outs = tuple(node.inputs), tuple(node.outputs)
     fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,
                         signature="recurrent", parallel_dims=1, band_extents=(loop.parallel_extent,),
                         tile_sizes=(), flops=2 * t_len * batch * r.size, bytes=int(moved),
-                        reduce_form=None, strategy="recurrent", schedule_ms=0.0, total_ms=0.0)
+                        reduce_form=None, strategy="recurrent", schedule_ms=0.0, total_ms=0.0, phases=phases)
     return StepSpec(ins, outs, fused=fused, micro_graphs=group)
 
 

@@ -9,7 +9,6 @@ call borrows its own arena.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -134,7 +133,7 @@ class CpuExecutable:
         # would take the pool's cores: runtime/blas.py, OneBlasThread)
         from .blas import BlasStep, one_blas_thread
         self._blas_threads = (one_blas_thread() if any(isinstance(s, BlasStep) for s in self.steps)
-                              else contextlib.nullcontext())
+                              else None)
 
     def _concats_in_place(self, external: set) -> tuple[dict, set]:
         """Place concat inputs in their slices of the concat output and slices that are a
@@ -199,6 +198,13 @@ class CpuExecutable:
                     out.append(("kernels", g))
 
         for s in self.steps:
+            if isinstance(s, KernelStep) and _phases(s):
+                # phases in order (codegen/phased.py): never chunked alongside other kernels
+                if group:
+                    flush()
+                    group = []
+                out.append(("kernels", [s]))
+                continue
             if isinstance(s, KernelStep):
                 if group:
                     written = {v for g in group for v in g.outputs}
@@ -248,6 +254,8 @@ class CpuExecutable:
         caller) receives them in place: kernels write into it directly, other steps' results
         are copied in."""
         out = out or {}
+        if self._blas_threads is None:      # no BLAS step: no context to enter (~0.2 us a call)
+            return self._run(feeds, out)
         with self._blas_threads:
             return self._run(feeds, out)
 
@@ -321,14 +329,14 @@ class CpuExecutable:
             with self._program_lock:    # two first calls at once build it once
                 prog = self._program
                 if prog is None:
-                    from ..codegen.driver import data_offset, drive_function
-                    self._driver_fn = self._driver_fn or drive_function()
+                    from ..codegen.driver import data_offset, drive_block_function
+                    self._driver_fn = self._driver_fn or drive_block_function()
                     self._offset = data_offset()
                     prog = self._program = drive.build_program(
                         self, lambda s: isinstance(s, KernelStep) and _parts(s, self.machine) <= 1)
         tables = arena.driver
         if tables is None:
-            tables = arena.driver = drive.DriverTables(prog, arena, self.constants)
+            tables = arena.driver = drive.DriverTables(prog, arena, self.constants, self._offset)
         env = tables.env.copy()
         env.update(feeds)
         offset = self._offset
@@ -360,6 +368,9 @@ class CpuExecutable:
                 parts = _parts(s, self.machine)
                 if parts <= 1:
                     s.compiled.cfunc(s.compiled.pack_args(args), 0, s.compiled.parallel_extent or 0)
+                elif _phases(s):
+                    from ..codegen.phased import run_phased
+                    run_phased(pool, s.compiled, args, _phases(s))
                 else:
                     ext = s.compiled.parallel_extent
                     pool.run(s.compiled, args, min_chunk=-(-ext // parts))
@@ -395,6 +406,11 @@ def _reshape_aliases(steps) -> dict:
             v = s.nodes[0].inputs[0]
             root[s.outputs[0]] = root.get(v, v)
     return root
+
+
+def _phases(step) -> int:
+    """Phases of a kernel step whose parallel loop must run phase after phase (0: any split)."""
+    return getattr(step.fused, "phases", 0) if step.fused is not None else 0
 
 
 def _writes_buffers(step) -> bool:
@@ -492,6 +508,8 @@ def _parts(step, machine) -> int:
     nbytes = _bytes(step, machine)
     if nbytes < machine.inline_bytes:
         return 1
+    if _phases(step):       # its chunks per phase, shared by every thread (codegen/phased.py)
+        return ext
     return max(1, min(ext, nbytes // machine.chunk_bytes))
 
 

@@ -65,7 +65,7 @@ class Segment:
 class DriverTables:
     """Per-arena state of the driver: the value table and one ``objs`` array per segment."""
 
-    def __init__(self, program: "Program", arena, constants: dict):
+    def __init__(self, program: "Program", arena, constants: dict, offset: int | None = None):
         self.env = dict(constants)      # a call's values start from these: constants, arena views
         self.env.update(arena.views)
         self.values = (ctypes.c_void_p * max(1, len(program.index)))()
@@ -81,12 +81,20 @@ class DriverTables:
         from ..codegen.driver import SYNC_WORDS
         self.sync = (ctypes.c_int64 * SYNC_WORDS)()
         self.sync_address = ctypes.addressof(self.sync)
+        from ..codegen.driver import BLOCK_WORDS
         self.objs = []
+        # per segment, the arguments of its apollo_drive call (codegen/driver.py, block_ir):
+        # all fixed for this arena but the helper's sync word of a parallel segment
+        self.blocks = []
         for seg in program.segments:
             arr = (ctypes.c_int64 * max(1, 2 * len(seg.dynamic)))()
             for k, (_, i, _, _) in enumerate(seg.dynamic):
                 arr[2 * k] = i
             self.objs.append((arr, ctypes.addressof(arr)))
+            blk = (ctypes.c_int64 * BLOCK_WORDS)(
+                seg.address, seg.nsteps, self.values_address, seg.maxargs, ctypes.addressof(arr),
+                len(seg.dynamic) if offset is not None else 0, offset or 0, 0)
+            self.blocks.append((blk, ctypes.addressof(blk)))
 
 
 @dataclass
@@ -248,7 +256,7 @@ def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out,
             env[v] = arena.output_buffer(v, *fresh[v])
     for o, i, shape in seg.views:
         env[o] = env[i].reshape(shape)
-    objs, objs_address = tables.objs[k]
+    objs = tables.objs[k][0]
     values = tables.values
     for j, (v, i, dt, n) in enumerate(seg.dynamic):
         a = env[v]
@@ -259,11 +267,10 @@ def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out,
             values[i] = a.ctypes.data
         else:
             objs[2 * j + 1] = id(a)
-    sync = None
+    block, block_address = tables.blocks[k]
     if seg.parallel:
-        sync = _start_helper(exe._pool, tables)
-    exe._driver_fn(seg.address, seg.nsteps, tables.values_address, seg.maxargs, objs_address,
-                   len(seg.dynamic) if offset is not None else 0, offset or 0, sync)
+        block[7] = _start_helper(exe._pool, tables) or 0
+    exe._driver_fn(block_address)
 
 
 def _start_helper(pool, tables: DriverTables):

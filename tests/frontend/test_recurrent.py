@@ -164,13 +164,44 @@ def test_activation_without_lowering_names_the_node():
                                        ("GRU", dict(activations=["HardSigmoid", "Tanh", "HardSigmoid", "Softsign"],
                                                    activation_alpha=[0.3, 0.25])),
                                        ("RNN", {})])
-def test_export_round_trip(op, attrs):
+@pytest.mark.parametrize("hidden", [5, 64])     # R^T plain / in blocks of 64 columns
+def test_export_round_trip(op, attrs, hidden):
     """``ap.export`` writes the recurrent primitive back as the ONNX node it runs (over the
-    projected input); onnxruntime on the export agrees with the original model."""
-    model, feeds = _model(op, 5, 3, "bidirectional", 4, 3, seq=True, h0=True, c0=True, peep=op == "LSTM",
-                          attrs=attrs)
+    projected input, R restored from the primitive's blocked R^T); onnxruntime on the export
+    agrees with the original model."""
+    model, feeds = _model(op, hidden, 3, "bidirectional", 4, 3, seq=True, h0=True, c0=True, peep=op == "LSTM",
+                          attrs=attrs, scale=0.4 if hidden < 16 else 0.1)
     f = apollo_py.jit(model)
     want = _ort(model, feeds)
     f.run(**feeds)
     exported = apollo_py.export(f)
     _compare(_ort(exported, feeds), want)
+
+
+@pytest.mark.parametrize("op,direction,hidden,kw", [
+    ("LSTM", "bidirectional", 96, dict(seq=True, h0=True, c0=True, peep=True)),
+    ("LSTM", "forward", 128, dict(seq=True, h0=True, c0=True)),     # R^T blocks of 64, 2 unit chunks
+    ("GRU", "forward", 96, dict(seq=True, h0=True, attrs=dict(linear_before_reset=1))),
+    ("RNN", "reverse", 64, dict(h0=True)),
+])
+def test_phased_on_two_threads_matches_onnxruntime(op, direction, hidden, kw):
+    """A recurrence worth the pool (inline_bytes lowered) runs as phases on two threads
+    (codegen/phased.py): its kernel reads R^T (folded at compile time, no transpose step), is
+    scheduled alone and matches onnxruntime on N = 2 batches of inputs."""
+    from apollo_py.machine import PRESETS
+    from apollo_py.runtime.cpu import KernelStep
+    model, feeds = _model(op, hidden, 16, direction, 12, 3, scale=0.1, **kw)   # gain ~1: no chaos
+    machine = PRESETS["conservative"].replace(inline_bytes=64 << 10)
+    f = apollo_py.jit(model, options=apollo_py.Options(num_threads=2, machine=machine))
+    for seed in range(2):
+        batch = dict(feeds, x=np.random.default_rng(seed + 7).standard_normal(feeds["x"].shape).astype(np.float32))
+        _compare(f.run(**batch), _ort(model, batch))
+    rec = [s for s in f.plan.kernels if s.fused is not None and s.fused.signature == "recurrent"]
+    assert len(rec) == 1 and rec[0].fused.phases == 12 + 1
+    assert [n.op for n in rec[0].fused.nodes] == ["recurrent"] and rec[0].fused.nodes[0].attrs["rt"] > 0
+    assert not any("transpose" in [n.op for n in s.fused.nodes] for s in f.plan.kernels if s.fused is not None)
+    from apollo_py.runtime.cpu import _parts
+    exe = f.specialization({k: v.shape for k, v in feeds.items()})
+    entries = [item for kind, item in exe._schedule if kind == "kernels" and any(
+        isinstance(s, KernelStep) and s.fused.phases for s in item)]
+    assert len(entries) == 1 and len(entries[0]) == 1 and _parts(entries[0][0], exe.machine) > 1
