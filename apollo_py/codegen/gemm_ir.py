@@ -147,17 +147,7 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     # [lo, hi) only says whether this call takes part (an empty range does nothing) and, with
     # lo == 0, that it is the caller's: it returns only when every tile is finished (a short
     # spin on `finished`, then sched_yield), so the caller need not sleep on the helpers.
-    s += ["  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
-          # a call of the whole range [0, tiles) is alone (the native driver's inline step,
-          # CompiledGemm.run on one thread): it counts on a counter of its own on the stack, so
-          # the argument is not touched (a driver may pass one buffer for every call and
-          # thread); the pool's caller passes [0, 1), its helpers [1, 2)
-          f"  %hiall = icmp eq i64 %hi, {lay.tiles}", "  %solo = and i1 %lo0, %hiall",
-          "  %lctr = alloca [2 x i64], align 8", "  store i64 0, ptr %lctr, align 8",
-          "  %lctr1 = getelementptr i64, ptr %lctr, i64 1", "  store i64 0, ptr %lctr1, align 8",
-          f"  %ctg = getelementptr ptr, ptr %args, i64 {2 + n_extra}", "  %actr = load ptr, ptr %ctg",
-          "  %ctr = select i1 %solo, ptr %lctr, ptr %actr",
-          "  %ctr1 = getelementptr i64, ptr %ctr, i64 1",
+    s += [*counter_ir(lay.tiles, 2 + n_extra),
           "  br i1 %live, label %tcond, label %done",
           "tcond:", "  %t = atomicrmw add ptr %ctr, i64 1 monotonic",
           f"  %tc = icmp slt i64 %t, {lay.tiles}", "  br i1 %tc, label %tbody, label %done",
@@ -223,7 +213,7 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
           "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
           "tnext:", "  %fin0 = atomicrmw add ptr %ctr1, i64 1 release", "  br label %tcond",
           "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)",
-          *_wait_all_ir(lay.tiles), "}"]
+          *wait_all_ir(lay.tiles), "}"]
     head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {kcb}, NC {lay.nc}",
             index_table("gemm.atab", a_tab), index_table("gemm.btab", b_tab),
@@ -232,8 +222,7 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
             f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
-            *(f"declare void @{e}(ptr, i64, i64)" for e in epis), "declare i32 @sched_yield()",
-            *(["declare void @llvm.x86.sse2.pause()"] if _x86() else [])]
+            *(f"declare void @{e}(ptr, i64, i64)" for e in epis), *x86_decls()]
     micro = _micro_ir(bl)
     for n in dict.fromkeys(seg.n for seg, _ in segs if plain_output(seg)):
         name = _direct_c_micro(lay, n, len(segs))
@@ -253,7 +242,30 @@ def _x86() -> bool:
 SPINS = 4000    # pause loops (~0.1-0.2 ms) before the waiting caller yields its core instead
 
 
-def _wait_all_ir(tiles: int) -> list:
+def x86_decls() -> list:
+    """Declarations :func:`wait_all_ir` calls."""
+    return ["declare i32 @sched_yield()", *(["declare void @llvm.x86.sse2.pause()"] if _x86() else [])]
+
+
+def counter_ir(tiles: int, arg: int) -> list:
+    """Entry IR of a kernel whose calls claim ``tiles`` tiles from a shared counter (argument
+    ``arg``, int64 ``[claimed, finished]``): ``%live`` (the call takes part), ``%waits`` (it is
+    the caller's and returns only when every tile is finished), ``%ctr`` / ``%ctr1`` (the
+    counter's two words)."""
+    # a call of the whole range [0, tiles) is alone (the native driver's inline step,
+    # CompiledGemm.run on one thread): it counts on a counter of its own on the stack, so
+    # the argument is not touched (a driver may pass one buffer for every call and
+    # thread); the pool's caller passes [0, 1), its helpers [1, 2)
+    return ["  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
+            f"  %hiall = icmp eq i64 %hi, {tiles}", "  %solo = and i1 %lo0, %hiall",
+            "  %lctr = alloca [2 x i64], align 8", "  store i64 0, ptr %lctr, align 8",
+            "  %lctr1 = getelementptr i64, ptr %lctr, i64 1", "  store i64 0, ptr %lctr1, align 8",
+            f"  %ctg = getelementptr ptr, ptr %args, i64 {arg}", "  %actr = load ptr, ptr %ctg",
+            "  %ctr = select i1 %solo, ptr %lctr, ptr %actr",
+            "  %ctr1 = getelementptr i64, ptr %ctr, i64 1"]
+
+
+def wait_all_ir(tiles: int) -> list:
     """The end of a call: the caller's (``%waits``) spins until ``tiles`` tiles are finished
     (the helpers' last tiles: at most one tile's time), yielding the core after ``SPINS``
     rounds (a preempted helper on a loaded machine); a helper's returns at once."""
