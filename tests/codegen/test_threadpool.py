@@ -108,3 +108,44 @@ def test_split_all_reduce_is_parallel_and_reproducible(rng):
         results.append(res[0])
     assert results[0] == results[1] == results[2]
     np.testing.assert_allclose(results[0], data.astype(np.float64).sum(), rtol=1e-5, atol=1e-3)
+
+
+def test_lend_reaches_a_spinning_worker(monkeypatch):
+    """After a job a worker spins in native code (codegen/pool_spin.py): a call lent then is
+    posted to its mailbox and run at once (no queue, no wake-up), a job queued for Python calls
+    it back, and ``close`` ends the spin."""
+    import ctypes
+    import time
+
+    from apollo_py.codegen import pool_spin
+    from apollo_py.codegen.compiled import KERNEL_CFUNCTYPE
+    monkeypatch.setattr(pool_spin, "SPIN_CYCLES", 1 << 62)      # spin until called back
+    calls = []
+    fn = KERNEL_CFUNCTYPE(lambda args, lo, hi: calls.append((lo, hi)))
+    ptrs = (ctypes.c_void_p * 1)()
+    pool = ThreadPool(2)
+    if pool._spin is None:
+        pool.close()
+        pytest.skip("no native spin on this host")
+
+    def wait(cond):
+        t0 = time.time()
+        while not cond():
+            assert time.time() - t0 < 10
+            time.sleep(0.001)
+    try:
+        pool.lend(fn, ptrs, 1, 2)                 # the worker is blocked: through the queue
+        wait(lambda: calls == [(1, 2)] and pool._boxes[0] == 1)       # ... then it spins
+        assert pool._held[0] is None
+        pool.lend(fn, ptrs, 3, 4)                 # posted to the spinning worker
+        assert pool._held[0] is not None
+        wait(lambda: calls == [(1, 2), (3, 4)] and pool._boxes[0] == 1)
+        x = np.arange(4096, dtype=np.float32)
+        out = np.empty_like(x)
+        ck = compile_llvm(K.bias_gelu(256, 16))
+        b = np.zeros(16, np.float32)
+        pool.run(ck, [x, b, out], min_chunk=1)   # a queued job: the spinning worker is called back
+        wait(lambda: pool._boxes[0] == 1)
+    finally:
+        pool.close(timeout=10)
+    assert not any(t.is_alive() for t in pool._workers)
