@@ -281,7 +281,7 @@ def _start_helper(pool, tables: DriverTables):
     sync[7] = sync[8] = 0
     sync[SYNC_WORDS - 1] = sched_yield_address()
     sync[6] = 0
-    pool._put(_Job([(help_function(), sync, 0, 0)]))
+    pool._queue.put(_Job([(help_function(), sync, 0, 0)]))
     return tables.sync_address
 
 

@@ -2,8 +2,7 @@
 
 Kernels follow the CPU ABI ``void f(void **args, int64 lo, int64 hi)``; ctypes releases the
 GIL for the duration of each call, so plain Python threads run chunks truly in parallel.
-Workers are started once and wait on a queue (after each job a worker first spins natively for
-a short while, ready to run a lent call at once: codegen/pool_spin.py); each :meth:`ThreadPool.run` splits
+Workers are started once and wait on a queue; each :meth:`ThreadPool.run` splits
 ``[0, extent)`` into contiguous chunks (a few per thread), wakes up to ``num_threads - 1``
 workers and works on the chunks itself too; chunks are claimed dynamically, so a worker
 slowed down by other load takes fewer of them.  Several Python threads may call ``run`` at once: each
@@ -12,7 +11,6 @@ call has its own job object, and a caller always makes progress on its own job.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import queue
 import threading
@@ -83,7 +81,7 @@ class ThreadPool:
     one at a time, so a thread slowed down by other processes on the machine takes fewer.
     """
 
-    def __init__(self, num_threads: Optional[int] = None, chunks_per_thread: int = 4, spin: bool = True):
+    def __init__(self, num_threads: Optional[int] = None, chunks_per_thread: int = 4):
         n = int(num_threads or os.cpu_count() or 1)
         if n < 1 or chunks_per_thread < 1:
             raise CompileError(f"ThreadPool needs num_threads >= 1 and chunks_per_thread >= 1, "
@@ -93,45 +91,18 @@ class ThreadPool:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._workers = []
         self._closed = False
-        # each worker's mailbox for lent calls while it spins (codegen/pool_spin.py) and what a
-        # call posted there reads, held until that worker's next post (which proves it returned)
-        self._spin = None
-        if spin and n > 1:
-            from ..codegen.pool_spin import BOX_WORDS, spin_functions
-            self._spin = spin_functions()
-            self._boxes = (ctypes.c_int64 * (BOX_WORDS * (n - 1)))()
-            self._box_at = [ctypes.addressof(self._boxes) + 8 * BOX_WORDS * i for i in range(n - 1)]
-            self._held: list = [None] * (n - 1)
         for i in range(n - 1):
-            t = threading.Thread(target=self._worker, args=(i,), name=f"apollo-pool-{i}", daemon=True)
+            t = threading.Thread(target=self._worker, name=f"apollo-pool-{i}", daemon=True)
             t.start()
             self._workers.append(t)
         _LIVE.add(self)
 
-    def _worker(self, i: int = 0) -> None:
-        spin = self._spin
+    def _worker(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
             job.work()
-            if spin is not None and not self._closed:
-                from ..codegen.pool_spin import SPIN_CYCLES
-                # runs the calls lent meanwhile; returns when idle for SPIN_CYCLES or when a job
-                # was queued for Python (the queue then has it)
-                spin[0](self._box_at[i], SPIN_CYCLES, spin[2])
-
-    def _put(self, job) -> None:
-        """Queue ``job`` for the workers and call spinning ones back to Python to take it."""
-        self._queue.put(job)
-        self._kick()
-
-    def _kick(self) -> None:
-        if self._spin is not None:
-            from ..codegen.pool_spin import BOX_WORDS
-            for i in range(self.num_threads - 1):
-                if self._boxes[BOX_WORDS * i] != 0:
-                    self._boxes[BOX_WORDS * i + 5] = 1
 
     @staticmethod
     def split(extent: int, parts: int) -> list:
@@ -201,18 +172,8 @@ class ThreadPool:
         kernels it is for cannot raise).  A closed pool lends nothing."""
         if self._closed:
             return
-        lent = None
-        spin = self._spin
-        if spin is not None:
-            fn = ctypes.cast(cfunc, ctypes.c_void_p).value
-            args = ctypes.addressof(ptrs)
-        for i in range(self.num_threads - 1):
-            # a spinning worker takes the call from its mailbox at once; a blocked one from the queue
-            if spin is not None and spin[1](self._box_at[i], fn, args, lo, hi):
-                self._held[i] = (cfunc, ptrs, keep)
-                continue
-            if lent is None:
-                lent = _Lent(cfunc, ptrs, lo, hi, keep)
+        lent = _Lent(cfunc, ptrs, lo, hi, keep)
+        for _ in range(self.num_threads - 1):
             self._queue.put(lent)
 
     def _dispatch(self, chunks) -> None:
@@ -222,8 +183,6 @@ class ThreadPool:
         # too: the caller claims all of its chunks.
         for _ in range(0 if self._closed else min(len(chunks), self.num_threads) - 1):
             self._queue.put(job)
-        if not self._closed:
-            self._kick()
         job.work()
         job.done.wait()
         if job.error is not None:
@@ -237,7 +196,6 @@ class ThreadPool:
         self._closed = True
         for _ in self._workers:
             self._queue.put(None)
-        self._kick()
         for t in self._workers:
             t.join(timeout)
 
