@@ -100,3 +100,29 @@ def test_segments_must_align(tmp_path):
 def test_options_joint_gemm_checked():
     with pytest.raises(ap.OptionsError):
         ap.Options(joint_gemm="yes")
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_head_split_stored_by_the_gemm(readers, tmp_path):
+    """Llama's Q / K: ``reshape(x @ W, [S, H, d]) -> transpose(1, 0, 2)`` read by two kernels (the
+    RoPE halves): the GEMM stores the heads transposed and both steps go.  With one reader the
+    steps stay (that reader, e.g. a fused attention, may fold them itself)."""
+    rng = np.random.default_rng(4)
+    s, h, d = 24, 4, 32
+    w = {"w": rng.standard_normal((64, h * d)).astype(np.float32), "shape": np.array([s, h, d], np.int64)}
+    nodes = [N_("MatMul", ["x", "w"], ["y0"]), N_("Reshape", ["y0", "shape"], ["y1"]),
+             N_("Transpose", ["y1"], ["y"], perm=[1, 0, 2]), N_("Neg", ["y"], ["a"])]
+    outs = ["a"]
+    if readers == 2:
+        nodes.append(N_("Exp", ["y"], ["b"]))
+        outs.append("b")
+    model = _model(nodes, [("x", [s, 64])], outs, w)
+    x = rng.standard_normal((s, 64)).astype(np.float32)
+    plan = _check(model, {"x": x}, ap.Options(gemm="generated", cache_dir=str(tmp_path)))
+    (g,) = _gemm_steps(plan)
+    moves = [k for k in plan.kernels if k.gemm is None and {n.op for n in (k.fused.nodes if k.fused else k.nodes)}
+             & {"reshape", "transpose"}]
+    if readers == 2:
+        assert g.gemm.out_perm == (1, 0, 2) and g.gemm.out_shape == (s, h, d) and not moves
+    else:
+        assert g.gemm.out_perm is None and moves
