@@ -81,6 +81,9 @@ class Options:
     2-d float32 convs always run as the generated implicit GEMM.
     ``attention``: "auto" / "fused" (``Q K^T -> softmax -> P V`` triples run as one fused
     attention kernel, layers/attention.py) or "unfused" (two GEMMs and a stitched softmax).
+    ``joint_gemm``: generated GEMMs with constant weights that read one activation (attention's
+    Q, K, V projections; a gated MLP's gate and up) run as one GEMM over the concatenated
+    weights (layers/joint_gemm.py); False keeps one GEMM per product.
     ``max_memory``: bytes one compiled model may need: every tensor the model declares, its
     constants, and the memory plan (arena and outputs) are checked at compile time, before
     anything is allocated (ResourceError naming the node or value); default 80% of physical
@@ -104,6 +107,7 @@ class Options:
     progress: bool | None = None
     gemm: str = "auto"
     attention: str = "auto"
+    joint_gemm: bool = True
     machine: object = None
     max_memory: int | None = field(default_factory=_default_max_memory)
     compile_timeout: float | None = None
@@ -129,6 +133,8 @@ class Options:
             bad("gemm", f"one of {list(GEMM_CHOICES)}")
         if self.attention not in ATTENTION_CHOICES:
             bad("attention", f"one of {list(ATTENTION_CHOICES)}")
+        if not isinstance(self.joint_gemm, bool):
+            bad("joint_gemm", "True or False")
         if not _is_int(self.schedule_budget) or self.schedule_budget < 1:
             bad("schedule_budget", "an int >= 1")
         if self.schedule_timeout is not None and not (_is_real(self.schedule_timeout) and self.schedule_timeout > 0):

@@ -41,7 +41,7 @@ import numpy as np
 
 from apollo_py.codegen import loopir as L
 from apollo_py.codegen.compiled import CompiledKernelBase
-from apollo_py.codegen.gemm_ir import index_table
+from apollo_py.codegen.gemm_ir import counter_ir, index_table, wait_all_ir, x86_decls
 from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
 
@@ -419,7 +419,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
         return out
 
     s = [f"define void @{d.name}(ptr %args, i64 %lo, i64 %hi) #0 {{", "entry:"]
-    # args: q, kt, v, operands..., out
+    # args: q, kt, v, operands..., out, the tile counter (claimed as the GEMM's: codegen/gemm_ir.py)
     for q, nm in enumerate(["q", "kt", "v", *(f"op{o}" for o in range(nops)), "out"]):
         s += [f"  %g.{nm} = getelementptr ptr, ptr %args, i64 {q}", f"  %{nm} = load ptr, ptr %g.{nm}"]
     s += [alloc("qp", lay.qb * dk * mr), alloc("kp", bn * dk), alloc("vp", dp * bn), alloc("sb", gr * bn),
@@ -431,9 +431,10 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
     s += argv("av", ["%vp", "%v", "%info"])
     s += argv("au", ["%sb", "%pb", "%ob", "%ml", "%info", *(f"%op{o}" for o in range(nops))])
     s += argv("af", ["%ob", "%ml", "%info", "%out"])
-    s += ["  br label %tcond",
-          "tcond:", "  %t = phi i64 [%lo, %entry], [%t1, %tnext]",
-          "  %tc = icmp slt i64 %t, %hi", "  br i1 %tc, label %tbody, label %done",
+    s += counter_ir(lay.tiles, 4 + nops)
+    s += ["  br i1 %live, label %tcond, label %done",
+          "tcond:", "  %t = atomicrmw add ptr %ctr, i64 1 monotonic",
+          f"  %tc = icmp slt i64 %t, {lay.tiles}", "  br i1 %tc, label %tbody, label %done",
           "tbody:",
           f"  %b = udiv i64 %t, {lay.groups}", f"  %grp = urem i64 %t, {lay.groups}",
           "  store i64 %b, ptr %info"]
@@ -493,10 +494,10 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
           "kdone:",
           f"  call void @{names['fin']}(ptr %af, i64 0, i64 %rows) #2",
           "  br label %tnext",
-          "tnext:", "  %t1 = add i64 %t, 1", "  br label %tcond",
+          "tnext:", "  %fin0 = atomicrmw add ptr %ctr1, i64 1 release", "  br label %tcond",
           "done:"]
     s += [f"  call void @free(ptr %{v})" for v in ("qp", "kp", "vp", "sb", "pb", "ob", "ml")]
-    s += ["  ret void", "}"]
+    s += [*wait_all_ir(lay.tiles), "}"]
     head = [f"; fused attention {d.name}: batch {d.batch}, {d.m} queries x {d.n} keys, dk {dk}, dv {d.dv}, "
             f"micro-tile {mr}x{nr}, {lay.qb} query blocks per tile, {bn} keys per block",
             index_table("attn.qtab", d.q_index), index_table("attn.ktab", d.k_index),
@@ -505,7 +506,7 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
             "declare i64 @llvm.smin.i64(i64, i64)",
             f"declare <{lay.vl} x float> @llvm.fma.v{lay.vl}f32(<{lay.vl} x float>, <{lay.vl} x float>, "
             f"<{lay.vl} x float>)",
-            *(f"declare void @{k}(ptr, i64, i64)" for k in names.values())]
+            *(f"declare void @{k}(ptr, i64, i64)" for k in names.values()), *x86_decls()]
     micro = [_micro_ir("attn.qk", lay, mr, 1, bn), _micro_ir("attn.pv", lay, 1, bn, dp)]
     if q_strides(d) is not None:
         micro.append(_micro_ir("attn.qkd", lay, q_strides(d)[1], q_strides(d)[0], bn))
@@ -518,8 +519,13 @@ def _main_ir(d: AttentionDesc, lay: AttnLayout, names: dict) -> str:
 class CompiledAttention:
     """Machine code of one fused attention; ``run(pool, q, kt, v, operands, out)``."""
 
+    #: the main kernel's last argument is the tile counter its calls claim tiles from, as the
+    #: generated GEMM's (codegen/gemm_ir.py): one call of the whole tile range, never chunks
+    claims_tiles = True
+
     def __init__(self, desc: AttentionDesc, lay: AttnLayout, engine, ir: str, params: tuple):
         self.desc, self.layout, self.engine, self.ir = desc, lay, engine, ir
+        params = (*params, L.Param("tile_counter", "int64", 2))
         main = L.Kernel(desc.name, params, L.Block(), "t", lay.tiles)
         self.main = CompiledKernelBase(main, engine.get_function_address(desc.name))
         # one thread below a pool wake-up's worth of work (as the GEMM's SMALL_FLOPS)
@@ -527,11 +533,16 @@ class CompiledAttention:
         self.inline = desc.flops < SMALL_FLOPS or lay.tiles == 1
 
     def run(self, pool, q, kt, v, operands, out) -> None:
-        arrays = [q, kt, v, *operands, out]
-        if self.inline or pool is None:
+        arrays = [q, kt, v, *operands, out, np.zeros(2, np.int64)]     # the tile counter
+        if self.inline or pool is None or pool.num_threads == 1:
             self.main(arrays)
-        else:
-            pool.run(self.main, arrays)
+            return
+        # as CompiledGemm.run: the workers' lent calls (lo = 1) and this thread's (lo = 0) take
+        # tiles from the counter; this one returns when every tile is finished, so nothing
+        # sleeps on an Event and a worker that wakes late finds the counter spent
+        ptrs = self.main.pack_args(arrays)
+        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
+        self.main.cfunc(ptrs, 0, 1)
 
 
 def _parts(d: AttentionDesc, lay: AttnLayout):

@@ -200,6 +200,10 @@ class GemmDesc:
     a_const: bool = False   # A is a constant (a conv's weight): packed once (CompiledGemm.packed_a)
     out_perm: Optional[tuple] = None   # outputs stored as transpose(C, out_perm) (a folded Transpose)
     stored_as: tuple = ()   # the values the stored outputs are bound to ("": ``outputs``)
+    #: a joint product (layers/joint_gemm.py): column segments of C, each a GemmDesc of its
+    #: width ``n`` with its own epilogue, outputs and layout, in column order; this desc's
+    #: ``operands`` / ``outputs`` / ``out_dtypes`` / ``stored_as`` are then theirs concatenated
+    parts: tuple = ()
 
     @property
     def stored_shape(self) -> tuple:
@@ -232,16 +236,43 @@ def _epilogue_params(d: GemmDesc, bl: Blocking) -> tuple:
             *(L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)))
 
 
+def segments(d: GemmDesc) -> tuple:
+    """``((desc, first column), ...)``: the column segments of C and the descs whose epilogues
+    finish them -- ``d`` itself, or each part of a joint product (``d.parts``), named after
+    ``d`` so that its epilogue kernel is ``<d.name>_p<q>_epi``."""
+    if not d.parts:
+        return ((d, 0),)
+    out, col = [], 0
+    for q, p in enumerate(d.parts):
+        out.append((replace(p, name=f"{d.name}_p{q}"), col))
+        col += p.n
+    return tuple(out)
+
+
+def _main_epilogue_params(d: GemmDesc, epis) -> tuple:
+    """The main kernel's epilogue arguments: every segment's operands, then every segment's
+    outputs (the order of ``d.operands`` and ``d.outputs``)."""
+    if not d.parts:
+        return tuple(epis[0].params[2:])
+    ops, outs = [], []
+    for q, (e, (seg, _)) in enumerate(zip(epis, segments(d))):
+        ps = [replace(p, name=f"s{q}_{p.name}") for p in e.params[2:]]
+        ops += ps[:len(seg.operands)]
+        outs += ps[len(seg.operands):]
+    return (*ops, *outs)
+
+
 def _signatures(d: GemmDesc, bl: Blocking, lay) -> tuple:
     """Kernels with the names, parameters and parallel extents of the pack-A, pack-B and
-    epilogue kernels of ``d`` and empty bodies: what :class:`CompiledGemm` binds and calls by, on
-    a piece-cache hit that renders no loop (building the three kernels cost ~1.5 ms per GEMM,
-    0.14 s of a warm BERT-base compile)."""
+    epilogue kernels of ``d`` (one epilogue per segment) and empty bodies: what
+    :class:`CompiledGemm` binds and calls by, on a piece-cache hit that renders no loop
+    (building the three kernels cost ~1.5 ms per GEMM, 0.14 s of a warm BERT-base compile)."""
     nc = lay.nc
     return (L.Kernel(f"{d.name}_pack_a", _pack_a_params(d, bl, lay.pan_per_group), L.Block(), "p",
                      lay.pan_per_group),
             L.Kernel(f"{d.name}_pack_b", _pack_b_params(d, bl, nc), L.Block(), "jp", nc // bl.nr),
-            L.Kernel(f"{d.name}_epi", _epilogue_params(d, bl), L.Block(), "ii", bl.mr))
+            tuple(L.Kernel(f"{seg.name}_epi", _epilogue_params(seg, bl), L.Block(), "ii", bl.mr)
+                  for seg, _ in segments(d)))
 
 
 def _pack_a_kernel(d: GemmDesc, bl: Blocking, ppg: int) -> L.Kernel:
@@ -703,14 +734,15 @@ def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):
     h = host()
     pack_a = _pack_a_kernel(d, bl, lay.pan_per_group)
     pack_b = (_pack_b_conv_rows if d.conv is not None else _pack_b_kernel)(d, bl, lay.nc)
-    epi = _epilogue_kernel(d, bl)
-    texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pack_a, pack_b, epi)]
-    main = main_ir(d, bl, lay, pack_a.name, pack_b.name, epi.name)
+    segs = segments(d)
+    epis = tuple(_epilogue_kernel(seg, bl) for seg, _ in segs)
+    texts = [LLVMPrinter().render(k, h.cpu_attrs) for k in (pack_a, pack_b, *epis)]
+    main = main_ir(d, bl, lay, pack_a.name, pack_b.name, tuple(e.name for e in epis), segs)
     main += (f"\nattributes #0 = {{ nounwind {h.cpu_attrs} }}\n"
              f"attributes #1 = {{ noinline nounwind {h.cpu_attrs} }}\n"
              "attributes #2 = { noinline }\n"
              "!0 = distinct !{!0, !1}\n!1 = !{!\"llvm.loop.unroll.count\", i32 4}\n")
-    return main, texts, (pack_a, pack_b, epi)
+    return main, texts, (pack_a, pack_b, epis)
 
 
 def render_gemm(d: GemmDesc, threads: int = 2) -> str:
@@ -749,8 +781,11 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
                            f"{d.m}x{d.n}x{d.k}")
     named, d = d, canonical(d)
     bl = bl or default_blocking(d)
+    if any(off % bl.nr for _, off in segments(d)):
+        raise CompileError(f"{d.name}: a joint product's segments must start at multiples of NR = {bl.nr} "
+                           f"columns, got widths {[p.n for p in d.parts]}")
     lay = layout(d, bl, threads)
-    pack_a, pack_b, epi = _signatures(d, bl, lay)       # the loops are rendered on a miss only
+    pack_a, pack_b, epis = _signatures(d, bl, lay)      # the loops are rendered on a miss only
 
     def build():
         main, texts, _ = _render(d, bl, lay)
@@ -760,7 +795,7 @@ def compile_gemm(d: GemmDesc, threads: int, bl: Optional[Blocking] = None,
     engine, ir = compile_module(repr((d, bl, lay)), build, cache_dir, d.name)
     bparam = L.Param("bpk_all", "float32", packed_b_size(d, lay)) if d.b_const else pack_b.params[1]
     aparam = L.Param("apk_all", "float32", d.a_batches * lay.npan_a * d.k * bl.mr) if d.a_const else pack_a.params[1]
-    main_params = (aparam, bparam, *epi.params[2:])
+    main_params = (aparam, bparam, *_main_epilogue_params(d, epis))
     cg = CompiledGemm(d, bl, lay, engine, ir, main_params, pack_b if d.b_const else None,
                       pack_a if d.a_const else None)
     cg.desc = named     # the step reads and binds values by the graph's names
@@ -777,15 +812,19 @@ def canonical(d: GemmDesc) -> GemmDesc:
 
     def nm(v: str) -> str:
         return names.setdefault(v, f"v{len(names)}") if v else v
-    nm(d.head)
-    nm(d.a_value)
-    nm(d.b_value)
-    nodes = tuple(n.replace(inputs=tuple(nm(v) for v in n.inputs), outputs=tuple(nm(v) for v in n.outputs),
-                            name="", source=()) for n in d.nodes)
-    c = replace(d, name="g", head=nm(d.head), a_value=nm(d.a_value), b_value=nm(d.b_value), nodes=nodes,
-                operands=tuple(replace(o, value=nm(o.value)) for o in d.operands),
-                outputs=tuple(nm(v) for v in d.outputs), stored_as=tuple(nm(v) for v in d.stored_as),
-                inline_consts={nm(k): v for k, v in d.inline_consts.items()})
+
+    def renamed(d: GemmDesc) -> GemmDesc:
+        nm(d.head)
+        nm(d.a_value)
+        nm(d.b_value)
+        parts = tuple(replace(renamed(p), name="") for p in d.parts)
+        nodes = tuple(n.replace(inputs=tuple(nm(v) for v in n.inputs), outputs=tuple(nm(v) for v in n.outputs),
+                                name="", source=()) for n in d.nodes)
+        return replace(d, name="g", head=nm(d.head), a_value=nm(d.a_value), b_value=nm(d.b_value), nodes=nodes,
+                       operands=tuple(replace(o, value=nm(o.value)) for o in d.operands),
+                       outputs=tuple(nm(v) for v in d.outputs), stored_as=tuple(nm(v) for v in d.stored_as),
+                       inline_consts={nm(k): v for k, v in d.inline_consts.items()}, parts=parts)
+    c = renamed(d)
     return replace(c, name="gemm_" + hashlib.sha1(repr(c).encode()).hexdigest()[:12])
 
 

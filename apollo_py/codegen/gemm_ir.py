@@ -99,12 +99,15 @@ def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
             "  %bblk = getelementptr float, ptr %bsrc, i64 %bso"]
 
 
-def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epi: str) -> str:
+def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epis: tuple,
+            segs: tuple = ()) -> str:
     """The main kernel ``@<d.name>(args, lo, hi)``: args are A, B, the epilogue operands, the
     outputs and the tile counter (int64 ``[claimed, finished]``, zero before the call); each
-    call claims tiles ``(batch, column block, row group)`` until none are left."""
+    call claims tiles ``(batch, column block, row group)`` until none are left.  ``segs``:
+    ``((desc, first column), ...)``, the column segments of a joint product (``d.parts``), each
+    finished by its epilogue kernel in ``epis`` (one segment, ``d`` itself, by default)."""
     n_extra = len(d.operands) + len(d.outputs)
-    plain = plain_output(d)
+    segs = tuple(segs) or ((d, 0),)
     nkc, kcb = lay.nkc, lay.kcb
     a_tab = list(d.a_index)
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
@@ -129,11 +132,10 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
          f"  %bscr = call ptr @aligned_alloc(i64 64, i64 {bbytes})",
          f"  %cscr = call ptr @aligned_alloc(i64 64, i64 {cbytes})",
          "  %pinfo = alloca [4 x i64], align 8", "  %einfo = alloca [4 x i64], align 8",
-         "  %pargs = alloca [3 x ptr], align 8", f"  %eargs = alloca [{2 + n_extra} x ptr], align 8",
+         "  %pargs = alloca [3 x ptr], align 8",
          "  store ptr %bscr, ptr %pargs",
          "  %pa1 = getelementptr ptr, ptr %pargs, i64 1", "  store ptr %bsrc, ptr %pa1",
          "  %pa2 = getelementptr ptr, ptr %pargs, i64 2", "  store ptr %pinfo, ptr %pa2",
-         "  %ea1 = getelementptr ptr, ptr %eargs, i64 1", "  store ptr %einfo, ptr %ea1",
          "  %pi1 = getelementptr i64, ptr %pinfo, i64 1",
          "  %pi2 = getelementptr i64, ptr %pinfo, i64 2",
          "  %pi3 = getelementptr i64, ptr %pinfo, i64 3",
@@ -141,25 +143,15 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
          "  %ei2 = getelementptr i64, ptr %einfo, i64 2",
          "  %ei3 = getelementptr i64, ptr %einfo, i64 3"]
     for q in range(n_extra):
-        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}",
-              f"  %eg{q} = getelementptr ptr, ptr %eargs, i64 {2 + q}", f"  store ptr %x{q}, ptr %eg{q}"]
+        s += [f"  %xg{q} = getelementptr ptr, ptr %args, i64 {2 + q}", f"  %x{q} = load ptr, ptr %xg{q}"]
+    s += _segment_args_ir(d, segs)
     # tiles are claimed from the shared counter (the last argument: [claimed, finished]) until
     # all are taken, so a thread that starts late (a pool wake-up) or is preempted takes
     # fewer: no chunk of tiles is bound to a thread, and no tile boundary goes back to Python.
     # [lo, hi) only says whether this call takes part (an empty range does nothing) and, with
     # lo == 0, that it is the caller's: it returns only when every tile is finished (a short
     # spin on `finished`, then sched_yield), so the caller need not sleep on the helpers.
-    s += ["  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
-          # a call of the whole range [0, tiles) is alone (the native driver's inline step,
-          # CompiledGemm.run on one thread): it counts on a counter of its own on the stack, so
-          # the argument is not touched (a driver may pass one buffer for every call and
-          # thread); the pool's caller passes [0, 1), its helpers [1, 2)
-          f"  %hiall = icmp eq i64 %hi, {lay.tiles}", "  %solo = and i1 %lo0, %hiall",
-          "  %lctr = alloca [2 x i64], align 8", "  store i64 0, ptr %lctr, align 8",
-          "  %lctr1 = getelementptr i64, ptr %lctr, i64 1", "  store i64 0, ptr %lctr1, align 8",
-          f"  %ctg = getelementptr ptr, ptr %args, i64 {2 + n_extra}", "  %actr = load ptr, ptr %ctg",
-          "  %ctr = select i1 %solo, ptr %lctr, ptr %actr",
-          "  %ctr1 = getelementptr i64, ptr %ctr, i64 1",
+    s += [*counter_ir(lay.tiles, 2 + n_extra),
           "  br i1 %live, label %tcond, label %done",
           "tcond:", "  %t = atomicrmw add ptr %ctr, i64 1 monotonic",
           f"  %tc = icmp slt i64 %t, {lay.tiles}", "  br i1 %tc, label %tbody, label %done",
@@ -217,26 +209,15 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
           "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bblk, i64 %boff",
           f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
           "  %cp = getelementptr float, ptr %cscr, i64 %coff",
-          *(_direct_c_ir(d, bl, lay) if plain else []),
-          *(["  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if not lay.direct_a else
-            ["  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if d.m % bl.mr == 0 else
-            ["  br i1 %isd, label %mdir, label %mpak",
-             "mdir:", "  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)", "  br label %mdone",
-             "mpak:", "  call void @gemm.micro_r(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)", "  br label %mdone",
-             "mdone:"]),
-          "  br i1 %last, label %epib, label %jlatch",
-          "epib:",
-          f"  %jpc = mul i64 %jp, {bl.nr}", "  %jj0 = add i64 %j0, %jpc", "  store i64 %jj0, ptr %ei2",
-          f"  %nl = sub i64 {d.n}, %jj0", f"  %nr = call i64 @llvm.smin.i64(i64 %nl, i64 {bl.nr})",
-          "  store i64 %nr, ptr %ei3", "  store ptr %cp, ptr %eargs",
-          f"  call void @{epi}(ptr %eargs, i64 0, i64 %mr)",
-          "  br label %jlatch",
+          *_segment_select_ir(bl, segs),
+          *(line for q, (seg, off) in enumerate(segs)
+            for line in _segment_ir(d, bl, lay, seg, off, q, len(segs), epis[q])),
           "jlatch:", "  %jpn = add i64 %jp, 1", "  br label %jcond",
           "inext:", "  %ipn = add i64 %ip, 1", "  br label %icond",
           "inext_p:", "  %pcn = add i64 %pc, 1", "  br label %pcond",
           "tnext:", "  %fin0 = atomicrmw add ptr %ctr1, i64 1 release", "  br label %tcond",
           "done:", "  call void @free(ptr %ascr)", "  call void @free(ptr %bscr)", "  call void @free(ptr %cscr)",
-          *_wait_all_ir(lay.tiles), "}"]
+          *wait_all_ir(lay.tiles), "}"]
     head = [f"; generated GEMM {d.name}: batch {d.batch}, {d.m}x{d.n}x{d.k}, micro-tile {bl.mr}x{bl.nr}, "
             f"KC {kcb}, NC {lay.nc}",
             index_table("gemm.atab", a_tab), index_table("gemm.btab", b_tab),
@@ -245,12 +226,11 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
             f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
-            f"declare void @{epi}(ptr, i64, i64)", "declare i32 @sched_yield()",
-            *(["declare void @llvm.x86.sse2.pause()"] if _x86() else [])]
+            *(f"declare void @{e}(ptr, i64, i64)" for e in epis), *x86_decls()]
     micro = _micro_ir(bl)
-    if plain:
-        micro += "\n" + (_micro_ir(bl, "gemm.micro_dc", d.k, 1, d.n) if lay.direct_a
-                         else _micro_ir(bl, "gemm.micro_c", c_rs=d.n))
+    for n in dict.fromkeys(seg.n for seg, _ in segs if plain_output(seg)):
+        name = _direct_c_micro(lay, n, len(segs))
+        micro += "\n" + (_micro_ir(bl, name, d.k, 1, n) if lay.direct_a else _micro_ir(bl, name, c_rs=n))
     if lay.direct_a:
         micro += "\n" + _micro_ir(bl, "gemm.micro_d", d.k, 1)
         if d.m % bl.mr:
@@ -266,7 +246,30 @@ def _x86() -> bool:
 SPINS = 4000    # pause loops (~0.1-0.2 ms) before the waiting caller yields its core instead
 
 
-def _wait_all_ir(tiles: int) -> list:
+def x86_decls() -> list:
+    """Declarations :func:`wait_all_ir` calls."""
+    return ["declare i32 @sched_yield()", *(["declare void @llvm.x86.sse2.pause()"] if _x86() else [])]
+
+
+def counter_ir(tiles: int, arg: int) -> list:
+    """Entry IR of a kernel whose calls claim ``tiles`` tiles from a shared counter (argument
+    ``arg``, int64 ``[claimed, finished]``): ``%live`` (the call takes part), ``%waits`` (it is
+    the caller's and returns only when every tile is finished), ``%ctr`` / ``%ctr1`` (the
+    counter's two words)."""
+    # a call of the whole range [0, tiles) is alone (the native driver's inline step,
+    # CompiledGemm.run on one thread): it counts on a counter of its own on the stack, so
+    # the argument is not touched (a driver may pass one buffer for every call and
+    # thread); the pool's caller passes [0, 1), its helpers [1, 2)
+    return ["  %live = icmp slt i64 %lo, %hi", "  %lo0 = icmp eq i64 %lo, 0", "  %waits = and i1 %live, %lo0",
+            f"  %hiall = icmp eq i64 %hi, {tiles}", "  %solo = and i1 %lo0, %hiall",
+            "  %lctr = alloca [2 x i64], align 8", "  store i64 0, ptr %lctr, align 8",
+            "  %lctr1 = getelementptr i64, ptr %lctr, i64 1", "  store i64 0, ptr %lctr1, align 8",
+            f"  %ctg = getelementptr ptr, ptr %args, i64 {arg}", "  %actr = load ptr, ptr %ctg",
+            "  %ctr = select i1 %solo, ptr %lctr, ptr %actr",
+            "  %ctr1 = getelementptr i64, ptr %ctr, i64 1"]
+
+
+def wait_all_ir(tiles: int) -> list:
     """The end of a call: the caller's (``%waits``) spins until ``tiles`` tiles are finished
     (the helpers' last tiles: at most one tile's time), yielding the core after ``SPINS``
     rounds (a preempted helper on a loaded machine); a helper's returns at once."""
@@ -285,26 +288,108 @@ def plain_output(d: GemmDesc) -> bool:
     """Whether C is stored as computed: no epilogue nodes, one float32 output, row-major (not
     transposed).  Then full ``MR x NR`` tiles skip the scratch and the epilogue call: the
     micro-kernel writes (and on later K blocks accumulates into) the output directly."""
-    return not d.nodes and len(d.outputs) == 1 and d.out_perm is None and tuple(d.out_dtypes) == ("float32",)
+    return (not d.nodes and len(d.outputs) == 1 and d.out_perm is None and tuple(d.out_dtypes) == ("float32",)
+            and not d.parts)
 
 
-def _direct_c_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout) -> list:
-    """jbody IR of a plain product: a full tile (all MR rows, all NR columns inside C) runs
-    the micro-kernel on the output and goes to the next panel; the rest fall through to the
+def _direct_c_micro(lay: GemmLayout, n: int, nsegs: int) -> str:
+    """The name of the micro-kernel writing full tiles into a plain output of ``n`` columns
+    (one per distinct width among a joint product's segments)."""
+    name = "gemm.micro_dc" if lay.direct_a else "gemm.micro_c"
+    return name if nsegs == 1 else f"{name}.{n}"
+
+
+def _segment_args_ir(d: GemmDesc, segs: tuple) -> list:
+    """Entry IR: each segment's epilogue argument array ``%eargs<sfx>`` = (tile, info, its
+    operands, its outputs), pointing into the main kernel's ``%x<q>`` arguments (all segments'
+    operands, then all segments' outputs)."""
+    lines, op0, out0 = [], 0, len(d.operands)
+    for q, (seg, _) in enumerate(segs):
+        sfx = _sfx(q, len(segs))
+        xs = [*range(op0, op0 + len(seg.operands)), *range(out0, out0 + len(seg.outputs))]
+        op0, out0 = op0 + len(seg.operands), out0 + len(seg.outputs)
+        lines += [f"  %eargs{sfx} = alloca [{2 + len(xs)} x ptr], align 8",
+                  f"  %ea1{sfx} = getelementptr ptr, ptr %eargs{sfx}, i64 1", f"  store ptr %einfo, ptr %ea1{sfx}"]
+        for pos, x in enumerate(xs):
+            lines += [f"  %eg{x}{sfx} = getelementptr ptr, ptr %eargs{sfx}, i64 {2 + pos}",
+                      f"  store ptr %x{x}, ptr %eg{x}{sfx}"]
+    return lines
+
+
+def _sfx(q: int, nsegs: int) -> str:
+    return "" if nsegs == 1 else f".s{q}"
+
+
+def _segment_select_ir(bl: Blocking, segs: tuple) -> list:
+    """jbody IR branching to the block of the segment that NR-column panel ``%jp`` lies in
+    (segments start at multiples of NR: layers/joint_gemm.py joins only such widths)."""
+    if len(segs) == 1:
+        return []
+    lines = [f"  %sgp = mul i64 %jp, {bl.nr}", "  %sgj = add i64 %j0, %sgp"]
+    for q, (seg, off) in enumerate(segs[:-1]):
+        lines += [f"  %sgc{q} = icmp slt i64 %sgj, {off + seg.n}",
+                  f"  br i1 %sgc{q}, label %seg{q}, label %sgn{q}", f"sgn{q}:"]
+    lines += [f"  br label %seg{len(segs) - 1}"]
+    return lines
+
+
+def _segment_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, seg: GemmDesc, off: int, q: int, nsegs: int,
+                epi: str) -> list:
+    """jbody IR of one column segment (the whole product when not joint): the micro-kernel on
+    the panel, into the output itself for a full tile of a plain segment, else into the tile
+    scratch that segment ``q``'s epilogue ``epi`` finishes after the last K block.  The
+    epilogue sees the segment's own columns (``info[2]`` counts from ``off``)."""
+    sfx = _sfx(q, nsegs)
+    lines = [f"seg{q}:"] if nsegs > 1 else []
+    if plain_output(seg):
+        out_q = len(d.operands) + sum(len(s.outputs) for s in d.parts[:q])
+        lines += _direct_c_ir(seg, bl, lay, off, f"%x{out_q}", _direct_c_micro(lay, seg.n, nsegs), sfx)
+    lines += (["  call void @gemm.micro(ptr %ap, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if not lay.direct_a else
+              ["  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)"] if d.m % bl.mr == 0 else
+              [f"  br i1 %isd, label %mdir{sfx}, label %mpak{sfx}",
+               f"mdir{sfx}:", "  call void @gemm.micro_d(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)",
+               f"  br label %mdone{sfx}",
+               f"mpak{sfx}:", "  call void @gemm.micro_r(ptr %apd, ptr %bp, ptr %cp, i64 %kc, i1 %first)",
+               f"  br label %mdone{sfx}", f"mdone{sfx}:"])
+    lines += [f"  br i1 %last, label %epib{sfx}, label %jlatch",
+              f"epib{sfx}:",
+              f"  %jpc{sfx} = mul i64 %jp, {bl.nr}", f"  %jj0{sfx} = add i64 %j0, %jpc{sfx}"]
+    col = f"%jj0{sfx}"
+    if off:
+        lines.append(f"  %jjl{sfx} = sub i64 %jj0{sfx}, {off}")
+        col = f"%jjl{sfx}"
+    lines += [f"  store i64 {col}, ptr %ei2",
+              f"  %nl{sfx} = sub i64 {seg.n}, {col}", f"  %nr{sfx} = call i64 @llvm.smin.i64(i64 %nl{sfx}, i64 {bl.nr})",
+              f"  store i64 %nr{sfx}, ptr %ei3", f"  store ptr %cp, ptr %eargs{sfx}",
+              f"  call void @{epi}(ptr %eargs{sfx}, i64 0, i64 %mr)",
+              "  br label %jlatch"]
+    return lines
+
+
+def _direct_c_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, off: int = 0, out_arg: str = "", micro: str = "",
+                 sfx: str = "") -> list:
+    """jbody IR of a plain product (or a plain segment ``d`` from column ``off`` of a joint one,
+    writing ``out_arg``): a full tile (all MR rows, all NR columns inside C) runs the
+    micro-kernel on the output and goes to the next panel; the rest fall through to the
     scratch + epilogue path."""
-    out_arg = f"%x{len(d.operands)}"
-    a_ptr, micro = ("%apd", "gemm.micro_dc") if lay.direct_a else ("%ap", "gemm.micro_c")
-    lines = [f"  %qpc = mul i64 %jp, {bl.nr}", "  %qj0 = add i64 %j0, %qpc", f"  %qje = add i64 %qj0, {bl.nr}",
-             f"  %qcf = icmp sle i64 %qje, {d.n}"]
+    out_arg = out_arg or f"%x{len(d.operands)}"
+    a_ptr = "%apd" if lay.direct_a else "%ap"
+    micro = micro or ("gemm.micro_dc" if lay.direct_a else "gemm.micro_c")
+    lines = [f"  %qpc{sfx} = mul i64 %jp, {bl.nr}", f"  %qj0{sfx} = add i64 %j0, %qpc{sfx}"]
+    if off:
+        lines.append(f"  %qjl{sfx} = sub i64 %qj0{sfx}, {off}")
+    col = f"%qjl{sfx}" if off else f"%qj0{sfx}"
+    lines += [f"  %qje{sfx} = add i64 {col}, {bl.nr}", f"  %qcf{sfx} = icmp sle i64 %qje{sfx}, {d.n}"]
     if d.m % bl.mr:
-        lines += [f"  %qrf = icmp slt i64 %ip, {d.m // bl.mr}", "  %qfull = and i1 %qcf, %qrf"]
+        lines += [f"  %qrf{sfx} = icmp slt i64 %ip, {d.m // bl.mr}", f"  %qfull{sfx} = and i1 %qcf{sfx}, %qrf{sfx}"]
     else:
-        lines += ["  %qfull = or i1 %qcf, false"]
-    lines += [f"  %qr0 = mul i64 %b, {d.m}", "  %qr1 = add i64 %qr0, %i0", f"  %qo0 = mul i64 %qr1, {d.n}",
-              "  %qo1 = add i64 %qo0, %qj0", f"  %qop = getelementptr float, ptr {out_arg}, i64 %qo1",
-              "  br i1 %qfull, label %qdir, label %qscr",
-              "qdir:", f"  call void @{micro}(ptr {a_ptr}, ptr %bp, ptr %qop, i64 %kc, i1 %first)",
-              "  br label %jlatch", "qscr:"]
+        lines += [f"  %qfull{sfx} = or i1 %qcf{sfx}, false"]
+    lines += [f"  %qr0{sfx} = mul i64 %b, {d.m}", f"  %qr1{sfx} = add i64 %qr0{sfx}, %i0",
+              f"  %qo0{sfx} = mul i64 %qr1{sfx}, {d.n}",
+              f"  %qo1{sfx} = add i64 %qo0{sfx}, {col}", f"  %qop{sfx} = getelementptr float, ptr {out_arg}, i64 %qo1{sfx}",
+              f"  br i1 %qfull{sfx}, label %qdir{sfx}, label %qscr{sfx}",
+              f"qdir{sfx}:", f"  call void @{micro}(ptr {a_ptr}, ptr %bp, ptr %qop{sfx}, i64 %kc, i1 %first)",
+              "  br label %jlatch", f"qscr{sfx}:"]
     return lines
 
 

@@ -256,12 +256,12 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
     return spec, rest, ""
 
 
-def _lone_transpose(spec):
-    """The transpose node of a step that is one transpose (a numpy step or a copy kernel)."""
+def _lone_transpose(spec, op: str = "transpose"):
+    """The transpose (``op``) node of a step that is one transpose (a numpy step or a copy kernel)."""
     if spec.gemm is not None or spec.blas is not None:
         return None
     nodes = [n for n in (spec.fused.nodes if spec.fused is not None else spec.nodes) if n.op != "constant"]
-    if len(nodes) != 1 or nodes[0].op != "transpose" or len(spec.outputs) != 1:
+    if len(nodes) != 1 or nodes[0].op != op or len(spec.outputs) != 1:
         return None
     return nodes[0]
 
@@ -309,15 +309,15 @@ def fold_operand_transposes(specs: list, graph: Graph) -> list:
             alive[j] = False
         out = _fold_output_transpose(i, d, specs, alive, producer, readers, graph)
         if out is not None:
-            d, t, j = out
-            extra.append(t)
-            gone.append(j)
+            d, ts, js = out
+            extra.extend(ts)
+            gone.extend(js)
         if not extra:
             continue
         ins = tuple(dict.fromkeys([d.a_value, d.b_value, *(v for v in spec.inputs if v not in
                                                            (spec.gemm.a_value, spec.gemm.b_value))]))
         mgs = tuple(sorted(set(spec.micro_graphs).union(*(specs[j].micro_graphs for j in gone))))
-        reads = [t for t in extra if t.outputs[0] not in d.stored_as]
+        reads = [t for t in extra if t.op == "transpose" and t.outputs[0] not in d.stored_as]
         why = spec.reason
         if reads:
             why += "; reads " + ", ".join(f"transpose{tuple(t.attrs['perm'])} of {t.inputs[0]}"
@@ -332,9 +332,12 @@ def fold_operand_transposes(specs: list, graph: Graph) -> list:
 
 
 def _fold_output_transpose(i: int, d, specs: list, alive: list, producer: dict, readers: dict, graph: Graph):
-    """``(desc, transpose node, its step)`` when the one value GEMM step ``i`` stores is read only by a
-    lone transpose step (attention's context ``[B, H, S, d] -> [B, S, H, d]``): the epilogue
-    then stores straight into the transposed layout and that step goes.  None otherwise."""
+    """``(desc, (nodes), (steps))`` when the one value GEMM step ``i`` stores is read only by a
+    lone transpose step (attention's context ``[B, H, S, d] -> [B, S, H, d]``), or by a lone
+    reshape step whose result only a lone transpose step reads and the transposed value is read
+    by several steps (Llama's head split of Q and K, ``[S, H*d] -> [S, H, d] -> [H, S, d]``, read
+    by both RoPE kernels: no reader can fold it): the epilogue then stores straight into the
+    transposed layout and those steps go.  None otherwise."""
     from dataclasses import replace
     if d.out_perm is not None or len(d.outputs) != 1 or tuple(specs[i].outputs) != d.outputs:
         return None
@@ -343,10 +346,32 @@ def _fold_output_transpose(i: int, d, specs: list, alive: list, producer: dict, 
     if v in graph.outputs or len(rs) != 1:
         return None
     j = next(iter(rs))
-    t = _lone_transpose(specs[j]) if alive[j] and j > i else None
-    if t is None or t.inputs[0] != v:
+    if not alive[j] or j <= i:
         return None
-    alive[j] = False
+    t = _lone_transpose(specs[j])
+    if t is not None and t.inputs[0] == v:
+        alive[j] = False
+        out = t.outputs[0]
+        producer[out] = i
+        return replace(d, stored_as=(out,), out_perm=tuple(int(p) for p in t.attrs["perm"])), (t,), (j,)
+    r = _lone_transpose(specs[j], "reshape")
+    if r is None or r.inputs[0] != v or d.operands:     # operands broadcast against the unreshaped shape
+        return None
+    rv = r.outputs[0]
+    rs = readers.get(rv, set())
+    if rv in graph.outputs or len(rs) != 1:
+        return None
+    j2 = next(iter(rs))
+    t = _lone_transpose(specs[j2]) if alive[j2] and j2 > j else None
+    if t is None or t.inputs[0] != rv or t.outputs[0] in graph.outputs or len(readers.get(t.outputs[0], ())) < 2:
+        return None
+    shape = tuple(graph.types[rv].shape)
+    rows = prod(d.out_shape[:d.row_dims])
+    rd = next((q for q in range(len(shape) + 1) if prod(shape[:q]) == rows and prod(shape[q:]) == d.n), None)
+    if rd is None or d.batch != 1:
+        return None
+    alive[j] = alive[j2] = False
     out = t.outputs[0]
     producer[out] = i
-    return replace(d, stored_as=(out,), out_perm=tuple(int(p) for p in t.attrs["perm"])), t, j
+    return (replace(d, out_shape=shape, row_dims=rd, stored_as=(out,), out_perm=tuple(int(p) for p in t.attrs["perm"])),
+            (r, t), (j, j2))

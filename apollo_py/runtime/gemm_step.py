@@ -207,9 +207,11 @@ class GemmStep:
         st = self.__dict__.get("_stored_cache")
         if st is None:
             d = self.compiled.desc
-            shape = getattr(d, "stored_shape", d.out_shape)
-            names = tuple(getattr(d, "stored_as", ()) or d.outputs)
-            st = [(v, tuple(shape), np.dtype(dt)) for v, dt in zip(names, d.out_dtypes)]
+            st = []
+            for part in getattr(d, "parts", ()) or (d,):     # a joint product: each segment's
+                shape = getattr(part, "stored_shape", part.out_shape)
+                names = tuple(getattr(part, "stored_as", ()) or part.outputs)
+                st += [(v, tuple(shape), np.dtype(dt)) for v, dt in zip(names, part.out_dtypes)]
             # a direct conv's fused squeeze rows / excitation (codegen/conv_direct.py)
             st += [(v, tuple(s), np.dtype(dt)) for v, s, dt in
                    (d.extra_outputs() if hasattr(d, "extra_outputs") else ())]
@@ -250,7 +252,9 @@ def tuned_blocking(d, decision, base=None):
     if fields:
         cand = replace(base or default_blocking(d), **fields)
         sizes_ok = all(v is None or isinstance(v, bool) or (isinstance(v, int) and v >= 1) for v in fields.values())
-        if sizes_ok and cand.nr >= cand.vl and cand.nr % cand.vl == 0:
+        # a joint product's segments start at multiples of NR (codegen/gemm.segments)
+        aligned = all(sum(p.n for p in d.parts[:q]) % cand.nr == 0 for q in range(len(getattr(d, "parts", ()))))
+        if sizes_ok and cand.nr >= cand.vl and cand.nr % cand.vl == 0 and aligned:
             bl = cand
     t = decision.get("threads")
     return bl, (t == 1) if t in (1, 2) else None

@@ -41,6 +41,9 @@ def gemm_candidates(desc, decision: dict, threads: int) -> dict[str, dict]:
         b = replace(bl, **change)
         if b == bl or b.nr % b.vl or b.nr < b.vl:
             return
+        parts = getattr(desc, "parts", ())     # a joint product's segments start at multiples of NR
+        if any(sum(p.n for p in parts[:q]) % b.nr for q in range(len(parts))):
+            return
         if layout(desc, b, 1 if inline else threads) == lay and (b.vl, b.mr, b.nr) == (bl.vl, bl.mr, bl.nr):
             return      # the same tiles and code (the layout holds k blocks and direct A): nothing to time
         out[label] = {**(decision or {}), "blocking": {**fields, **change}}

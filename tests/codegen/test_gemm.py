@@ -158,7 +158,10 @@ def test_hit_signatures_match_the_kernels():
         d = G.canonical(d)
         bl = G.default_blocking(d)
         lay = G.layout(d, bl, 2)
-        real = (G._pack_a_kernel(d, bl, lay.pan_per_group), G._pack_b_kernel(d, bl, lay.nc), G._epilogue_kernel(d, bl))
-        for got, want in zip(G._signatures(d, bl, lay), real):
+        real = (G._pack_a_kernel(d, bl, lay.pan_per_group), G._pack_b_kernel(d, bl, lay.nc),
+                *(G._epilogue_kernel(seg, bl) for seg, _ in G.segments(d)))
+        pack_a, pack_b, epis = G._signatures(d, bl, lay)
+        assert len(epis) == len(real) - 2
+        for got, want in zip((pack_a, pack_b, *epis), real):
             assert (got.name, got.params, got.parallel_var, got.parallel_extent) == \
                    (want.name, want.params, want.parallel_var, want.parallel_extent)

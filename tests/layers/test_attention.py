@@ -319,5 +319,24 @@ def test_kernel_block_sizes_and_avx2_blocking(monkeypatch, blocking, kw):
     q, kt, v = (rng.standard_normal(s).astype(np.float32) for s in ((h, m, d), (h, d, n), (h, n, d)))
     out = np.empty((1, h, m, d), np.float32)
     with ThreadPool(2) as pool:
-        pool.run(ca.main, [q, kt, v, out])
+        ca.run(pool, q, kt, v, [], out)
     np.testing.assert_allclose(out[0], reference(q.astype(np.float64), kt, v), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_on_the_pool_claims_every_tile():
+    """A product big enough for the pool (the workers' lent calls and the caller's claim tiles
+    from one counter, codegen/gemm_ir.counter_ir): every call, back to back, computes every
+    tile exactly once."""
+    from apollo_py.codegen.attention import compile_attention, reference
+    from apollo_py.runtime.threadpool import ThreadPool
+    h, m, n, d = 8, 100, 130, 64
+    ca = compile_attention(_desc(h, m, n, d), 2)
+    assert not ca.inline and ca.layout.tiles >= 4
+    rng = np.random.default_rng(8)
+    q, kt, v = (rng.standard_normal(s).astype(np.float32) for s in ((h, m, d), (h, d, n), (h, n, d)))
+    want = reference(q.astype(np.float64), kt, v)
+    with ThreadPool(2) as pool:
+        for _ in range(20):
+            out = np.full((1, h, m, d), np.nan, np.float32)
+            ca.run(pool, q, kt, v, [], out)
+            np.testing.assert_allclose(out[0], want, rtol=1e-4, atol=1e-5)
