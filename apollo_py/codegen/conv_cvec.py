@@ -329,7 +329,7 @@ def _main_ir(d, bl: CvecBlocking, lay: CvecLayout, geom: CvecGeom, epi: str) -> 
     """The tile loop (tiles claimed from a counter, as the generated GEMM's: codegen/gemm_ir.py):
     per tile the K blocks of every pixel tile of its band into the pixel-major scratch, then
     the transposes and one epilogue call for the band's rows of output."""
-    from .gemm_ir import _wait_all_ir, _x86, index_table
+    from .gemm_ir import index_table, wait_all_ir, x86_decls
     g = d.conv
     cg = g.c // g.group
     nr, vl = bl.nr, bl.vl
@@ -402,7 +402,7 @@ def _main_ir(d, bl: CvecBlocking, lay: CvecLayout, geom: CvecGeom, epi: str) -> 
           "  store i64 %np, ptr %ei3", f"  call void @{epi}(ptr %eargs, i64 0, i64 %mrow)",
           "  %fin0 = atomicrmw add ptr %ctr1, i64 1 release", "  br label %tcond",
           "done:", "  call void @free(ptr %cscr)", "  call void @free(ptr %trs)",
-          *_wait_all_ir(lay.tiles), "}"]
+          *wait_all_ir(lay.tiles), "}"]
     head = [f"; channel-vector conv {d.name}: batch {d.batch}, {d.m}x{g.oh * g.ow}x{d.k}, panel {nr} channels, "
             f"pixel tile {bl.rb}x{bl.cb}, KC {lay.kcb}, bands {lay.bands}",
             index_table("cvec.atab", d.a_index), index_table("cvec.tab", geom.tab),
@@ -410,8 +410,7 @@ def _main_ir(d, bl: CvecBlocking, lay: CvecLayout, geom: CvecGeom, epi: str) -> 
             f"@cvec.bands = private unnamed_addr constant [{nb} x ptr] ["
             + ", ".join(f"ptr @cvec.band{i}" for i in range(nb)) + "]",
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
-            "declare i64 @llvm.smin.i64(i64, i64)", "declare i32 @sched_yield()",
-            *(["declare void @llvm.x86.sse2.pause()"] if _x86() else []),
+            "declare i64 @llvm.smin.i64(i64, i64)", *x86_decls(),
             f"declare <{vl} x float> @llvm.fma.v{vl}f32(<{vl} x float>, <{vl} x float>, <{vl} x float>)",
             f"declare void @{epi}(ptr, i64, i64)"]
     micro, bands = {}, []
