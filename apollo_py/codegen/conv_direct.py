@@ -160,21 +160,22 @@ def is_matvec(g: ConvGeom) -> bool:
 
 
 def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr, at: L.Expr | None = None,
-              env_out: dict | None = None) -> list:
+              env_out: dict | None = None, prefix: str = "") -> list:
     """Statements computing the epilogue chain on ``acc`` (the conv's value at output row
     ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs
-    (at ``at`` instead of the output element's index when given: the flat form's scratch)."""
+    (at ``at`` instead of the output element's index when given: the flat form's scratch);
+    ``prefix`` keeps the locals of several channels' chains in one loop body apart."""
     from apollo_py.codegen.scalar_ops import scalar_op
     f32 = "float32"
-    stmts = [L.Local("v_head", f32, acc)]
-    env: dict = {d.head: L.Var("v_head", f32)}
+    stmts = [L.Local(prefix + "v_head", f32, acc)]
+    env: dict = {d.head: L.Var(prefix + "v_head", f32)}
     for q, o in enumerate(d.operands):
         env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, 2, row, col))
     env.update(d.inline_consts)
     for q, n in enumerate(d.nodes):
         e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
-        stmts.append(L.Local(f"v{q}", e.dtype, e))
-        env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+        stmts.append(L.Local(f"{prefix}v{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"{prefix}v{q}", e.dtype)
     if env_out is not None:
         env_out.update(env)
     lin = row * (d.conv.oh * d.conv.ow) + col if at is None else at
@@ -240,6 +241,9 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
     if is_matvec(g):
         return _matvec_kernel(d, w, x, ops, outs)
+    from apollo_py.codegen.conv_block import block_form, block_kernel
+    if block_form(g, d.cout) and d.squeeze is None:
+        return block_kernel(d, w, x, ops, outs)
     sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
                enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
@@ -503,7 +507,7 @@ def _source_digest() -> str:
     from ..fsutil import files_digest
     here = os.path.dirname(__file__)
     return files_digest(os.path.join(here, f) for f in
-                        ("conv_direct.py", "loopir.py", "printer.py", "llvm_math.py", "scalar_ops.py"))
+                        ("conv_direct.py", "conv_block.py", "loopir.py", "printer.py", "llvm_math.py", "scalar_ops.py"))
 
 
 def render_direct_conv(d: DirectConvDesc) -> str:

@@ -67,6 +67,7 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
     """One direct-conv StepSpec computing ``head``, ``epilogue``, and the next group ``nxt``
     (``chain -> reduce_sum over axes (2, 3) -> tail``), or None.  ``later``: values read after
     the next group; ``group``: both groups' micro-graph indices."""
+    from ..codegen.conv_block import block_form
     from ..codegen.conv_direct import DirectConvDesc, Squeeze, is_matvec
     from .gemm_lowering import gemm_spec
     types = graph.types
@@ -84,7 +85,8 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
         return None
     # the reduced value is stored (the squeeze re-reads it) even when nothing later reads it
     spec, rest, _ = gemm_spec(head, [*epilogue, *chain], graph, later | {r.inputs[0]}, options, group)
-    if spec is None or rest or not isinstance(spec.gemm, DirectConvDesc) or is_matvec(spec.gemm.conv):
+    if spec is None or rest or not isinstance(spec.gemm, DirectConvDesc) or is_matvec(spec.gemm.conv) \
+            or block_form(spec.gemm.conv, spec.gemm.cout):
         return None
     d = spec.gemm
     if r.inputs[0] not in d.outputs:

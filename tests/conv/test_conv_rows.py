@@ -16,9 +16,12 @@ from models import conv_model, ort_run  # noqa: E402
 @pytest.fixture(autouse=True)
 def _rows_for_small_convs(monkeypatch):
     """The cases here are small (fast to test): below ``SMALL_CONV_FLOPS`` they would run on the
-    calling thread's implicit GEMM, so the threshold is lifted for them."""
+    calling thread's implicit GEMM, so the threshold is lifted for them; dense convs of few input
+    channels (``no_pad_k2``) would take the block kernel (codegen/conv_block.py), switched off."""
     from apollo_py.codegen import gemm
+    from apollo_py.layers import gemm_lowering
     monkeypatch.setattr(gemm, "SMALL_CONV_FLOPS", 0)
+    monkeypatch.setattr(gemm_lowering, "BLOCK_CONVS", False)
 
 # name -> (x shape, w shape, strides, pads, dilations, group, activation, BatchNorm)
 CASES = {
