@@ -41,6 +41,8 @@ SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (el
 #: MobileNetV3-large's per-step profile (load ~20) the flat form took 1.1x at 112 and 56 wide
 #: rows and 3.9x at 64 channels 112x112 stride 2 (phase-split copy), against 0.45-0.9x at 28-7
 FLAT_MAX_OW = 32
+#: the flat form's loop runs whole 16-lane vectors; its scratch has this many floats of slack
+FLAT_SLACK = 16
 MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
 #: a direct conv moving fewer bytes (input, weight, outputs, excitation) runs on the calling
 #: thread: a pool dispatch costs ~35 us before any work (machine.py), and these kernels run near
@@ -356,7 +358,10 @@ def _phase_split(d: DirectConvDesc, x):
     reads row ``oh*s + kh*dh`` and column ``ow*s + kw*dw``, i.e. sub-plane
     ``(kh*dh % s, kw*dw % s)`` at ``(oh + kh*dh // s, ow + kw*dw // s)`` -- unit stride in the
     flat index ``oh * Q + ow`` (``Q`` the sub-plane's width).  The copy reads each input element
-    once with stride ``s``; without the split every tap read with stride ``s`` (shuffles)."""
+    once with stride ``s``; without the split every tap read with stride ``s`` (shuffles).
+    The copy writes only the elements that hold input (the rest of the scratch is zeroed once
+    per call, :func:`_padded_kernel`); the scratch has :data:`FLAT_SLACK` floats past its
+    planes for the flat loop's last vector."""
     g = d.conv
     cgi = g.c // g.group
     s = g.strides[0]
@@ -365,26 +370,23 @@ def _phase_split(d: DirectConvDesc, x):
     rq, q = phase_plane(g)
     V = L.Var
     f32 = "float32"
-    zero = L.Const(0.0, f32)
-    pad = L.Alloc("xpad", f32, cgi * s * s * rq * q)
-    per_row = []
+    pad = L.Alloc("xpad", f32, cgi * s * s * rq * q + FLAT_SLACK)
+    per_phase = []
     for pr in range(s):
-        dst_row = ((V("ci") * s + pr) * s) * rq + V("i")
-        body = [L.Local(f"ih{pr}", "int64", V("i") * s + (pr - ph)),
-                L.Local(f"rowok{pr}", "bool", L.land(L.ge(V(f"ih{pr}"), 0), L.lt(V(f"ih{pr}"), g.h))),
-                L.Local(f"src{pr}", "int64", V("xbase") + (V("ci") * g.h + L.minimum(L.maximum(V(f"ih{pr}"), 0),
-                                                                                      g.h - 1)) * g.w)]
+        # sub-plane rows i whose input row i*s + pr - ph lies in [0, H)
+        i_lo = min(rq, max(0, -(-(ph - pr) // s)))
+        i_hi = min(rq, max(i_lo, -(-(g.h + ph - pr) // s)))
+        src = V("xbase") + (V("ci") * g.h + V("i") * s + (pr - ph)) * g.w
+        body = []
         for pc in range(s):
-            dst = (dst_row + pc * rq) * q
+            dst = (((V("ci") * s + pr) * s + pc) * rq + V("i")) * q
             # sub-plane columns jc whose input column jc*s + pc - pw lies in [0, W)
             lo = min(q, max(0, -(-(pw - pc) // s)))
             hi = min(q, max(lo, -(-(g.w + pw - pc) // s)))
-            body += [L.for_("jc", 0, lo, L.Store(pad, dst + V("jc"), zero), "vector"),
-                     L.for_("jc", lo, hi, L.Store(pad, dst + V("jc"), L.Select(
-                         V(f"rowok{pr}", "bool"), L.Load(x, V(f"src{pr}") + V("jc") * s + (pc - pw)), zero)), "vector"),
-                     L.for_("jc", hi, q, L.Store(pad, dst + V("jc"), zero), "vector")]
-        per_row.append(L.block(*body))
-    copy = L.for_("ci", 0, cgi, L.for_("i", 0, rq, L.block(*per_row)))
+            body.append(L.for_("jc", lo, hi, L.Store(pad, dst + V("jc"), L.Load(x, src + V("jc") * s + (pc - pw))),
+                               "vector"))
+        per_phase.append(L.for_("i", i_lo, i_hi, L.block(*body)))
+    copy = L.for_("ci", 0, cgi, L.block(*per_phase))
     j = V("j")
     acc = _tree_sum([L.Load(pad, (((ci * s + kh * dh % s) * s + kw * dw % s) * rq + kh * dh // s) * q
                             + kw * dw // s + j) * V(f"w{ci}_{kh}_{kw}", f32)
@@ -393,10 +395,10 @@ def _phase_split(d: DirectConvDesc, x):
 
 
 def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
-    """Per output plane: copy the group's input planes into a zero-padded scratch (zero runs and
-    one contiguous copy per row), then every output row is one vector loop of affine scratch
-    loads -- no border cases, no per-element tests; the tap weights are scalars hoisted out of
-    the plane."""
+    """Per output plane: copy the group's input planes into a zero-padded scratch (the padding is
+    zeroed once per call, each plane copies only its input rows), then every output row is one
+    vector loop of affine scratch loads -- no border cases, no per-element tests; the tap
+    weights are scalars hoisted out of the plane."""
     g = d.conv
     cgi, cgo = g.c // g.group, d.cout // g.group
     sh, sw = g.strides
@@ -407,22 +409,19 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
     f32 = "float32"
     zero = L.Const(0.0, f32)
     t, oh, ow = V("t"), V("oh"), V("ow")
-    pad = L.Alloc("xpad", f32, cgi * prow * pcol)
-    lz, mid_hi = min(pw, pcol), min(pw + g.w, pcol)
-    ihc = L.minimum(L.maximum(V("ih"), 0), g.h - 1)
-    dst = (V("ci") * prow + V("r")) * pcol
-    copy = L.for_("ci", 0, cgi, L.for_("r", 0, prow, L.block(
-        L.Local("ih", "int64", V("r") - ph),
-        L.Local("rowok", "bool", L.land(L.ge(V("ih"), 0), L.lt(V("ih"), g.h))),
-        L.Local("src", "int64", V("xbase") + (V("ci") * g.h + ihc) * g.w - pw),
-        L.for_("c", 0, lz, L.Store(pad, dst + V("c"), zero), "vector"),
-        L.for_("c", lz, mid_hi, L.Store(pad, dst + V("c"),
-                                        L.Select(V("rowok", "bool"), L.Load(x, V("src") + V("c")), zero)), "vector"),
-        L.for_("c", mid_hi, pcol, L.Store(pad, dst + V("c"), zero), "vector"))))
+    flat = flat_form(d)
+    pad = L.Alloc("xpad", f32, cgi * prow * pcol + (FLAT_SLACK if flat else 0))
+    # only the input's rows and columns are copied per plane: the padding is zeroed once per
+    # call (each thread's scratch; nothing else writes there)
+    r_lo, r_hi = min(g.h, max(0, -ph)), max(min(g.h, max(0, -ph)), min(g.h, prow - ph))
+    c_lo, c_hi = min(g.w, max(0, -pw)), max(min(g.w, max(0, -pw)), min(g.w, pcol - pw))
+    copy = L.for_("ci", 0, cgi, L.for_("ih", r_lo, r_hi, L.for_(
+        "c", c_lo, c_hi, L.Store(pad, (V("ci") * prow + V("ih") + ph) * pcol + pw + V("c"),
+                                 L.Load(x, V("xbase") + (V("ci") * g.h + V("ih")) * g.w + V("c"))), "vector")))
     weights = [L.Local(f"w{ci}_{kh}_{kw}", f32, L.Load(w, V("wbase") + ((ci * g.kh + kh) * g.kw + kw)))
                for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)]
     allocs = [pad]
-    if flat_form(d):
+    if flat:
         j = V("j")
         if sw == 1:
             nflat = (g.oh - 1) * pcol + g.ow
@@ -432,6 +431,10 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
             pad, copy, acc, pcol = _phase_split(d, x)
             allocs = [pad]
             nflat = (g.oh - 1) * pcol + g.ow
+        # whole vectors: the points past the last output read the scratch's zeroed slack and are
+        # dropped like the padding columns; a remainder of up to 15 points ran scalar (7x7 5x5:
+        # 73 points, 4 vectors + 9 scalar tap sums and epilogues)
+        nflat = -(-nflat // FLAT_SLACK) * FLAT_SLACK
         tmps = [L.Alloc(f"yflat{q}", dt, nflat) for q, dt in enumerate(d.out_dtypes)]
         allocs += tmps
         copies = [L.Store(o, t * (g.oh * g.ow) + oh * g.ow + ow, L.Load(y, oh * pcol + ow)) for o, y in zip(outs, tmps)]
@@ -449,7 +452,8 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * (g.h * g.w)),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
         copy, *weights, rows, *_squeeze(d, outs, sq_outs, t))
-    loops = L.block(*allocs, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
+    zero_fill = L.for_("z", 0, pad.size, L.Store(pad, V("z"), zero), "vector")
+    loops = L.block(*allocs, zero_fill, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
     return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
