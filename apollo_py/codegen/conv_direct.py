@@ -37,10 +37,12 @@ from apollo_py.errors import CompileError
 
 MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
 SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (else border loops)
-#: output rows at least this wide keep the row form: LLVM vectorises them at 8-16 lanes, and in
-#: MobileNetV3-large's per-step profile (load ~20) the flat form took 1.1x at 112 and 56 wide
-#: rows and 3.9x at 64 channels 112x112 stride 2 (phase-split copy), against 0.45-0.9x at 28-7
-FLAT_MAX_OW = 32
+#: output rows at least this wide keep the row form: LLVM vectorises them at 8-16 lanes.  With the
+#: padding zeroed once per call (thread CPU time, one thread, load ~16), flat / row form: 56-wide
+#: outputs 0.79 (dw7 96ch), 0.88 (dw3 s2 64ch from 112), 0.92 (dw3 s2 96ch), 0.93-1.0 (dw3 72 /
+#: 144ch); 112-wide 1.11 (dw3 32ch).  (Before, with zero runs per plane, MobileNetV3's per-step
+#: profile had the flat form at 1.1x for 56 and 112 wide rows and 3.9x at 64 channels 112x112 s2)
+FLAT_MAX_OW = 64
 #: the flat form's loop runs whole 16-lane vectors; its scratch has this many floats of slack
 FLAT_SLACK = 16
 MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
