@@ -25,6 +25,8 @@ CASES = {
     # unequal strides and dilation, 4 input channels (36 taps), no bias
     "dil_strides_cin4": ((1, 4, 12, 11), (24, 4, 3, 3), dict(strides=(1, 2), pads=(2, 1, 0, 1), dilations=(2, 1),
                                                              bias=False, act="SiLU")),
+    # a Conv1d of one input channel (a 2-d conv of one row), stride 2, asymmetric pads, N = 2
+    "conv1d_cin1_s2": ((2, 1, 101), (8, 1, 5), dict(strides=(2,), pads=(2, 1), dilations=(1,), act="Relu")),
     # stride 3 (nine phase sub-planes), 7 outputs, 1 input channel, 4x4 kernel
     "s3_k4_cin1": ((1, 1, 31, 29), (7, 1, 4, 4), dict(strides=(3, 3), pads=(1, 2, 2, 1), act="Sigmoid")),
 }
