@@ -17,8 +17,7 @@ group:
   broadcasts), then each channel's epilogue chain runs and its outputs are stored.
 
 Chosen (``layers/gemm_lowering._direct_conv``) for dense convs of at most ``MAX_CIN`` input
-channels whose per-output sum has at most ``conv_direct.MAX_TAPS`` terms and whose kernel is
-larger than 1x1.
+channels whose per-output sum has at most ``MAX_TAPS`` terms and whose kernel is larger than 1x1.
 """
 from __future__ import annotations
 
@@ -35,6 +34,10 @@ CHANNELS = 16
 COLS = 16
 #: dense convs with at most this many input channels per group take this kernel
 MAX_CIN = 4
+#: terms of one output's unrolled sum, and the block's padded rows on the stack: the bounds of
+#: conv_direct's plane kernels (this module does not import conv_direct, which dispatches here)
+MAX_TAPS = 64
+SCRATCH_BYTES = 256 * 1024
 
 
 def channel_block(cgo: int) -> int:
@@ -60,10 +63,11 @@ def scratch_floats(g) -> int:
     return (g.c // g.group) * g.strides[0] * g.strides[1] * rq * q
 
 
-def block_kernel(d, w, x, ops, outs) -> L.Kernel:
+def block_kernel(d, w, x, ops, outs, epilogue, tree_sum) -> L.Kernel:
     """The kernel of :class:`~apollo_py.codegen.conv_direct.DirectConvDesc` ``d`` in block form:
-    params ``(w, x, operands..., outputs...)``, parallel over ``image * group * blocks``."""
-    from apollo_py.codegen.conv_direct import _epilogue, _tree_sum
+    params ``(w, x, operands..., outputs...)``, parallel over ``image * group * blocks``;
+    ``epilogue`` and ``tree_sum`` are conv_direct's ``_epilogue`` and ``_tree_sum``."""
+    _epilogue, _tree_sum = epilogue, tree_sum
     g = d.conv
     cgi, cgo = g.c // g.group, d.cout // g.group
     sh, sw = g.strides
@@ -140,8 +144,7 @@ def block_kernel(d, w, x, ops, outs) -> L.Kernel:
 def block_form(g, cout: int) -> bool:
     """Whether a conv of geometry ``g`` with ``cout`` outputs takes the block kernel: a dense conv
     (one group) of at most :data:`MAX_CIN` input channels, a kernel larger than 1x1, at most
-    ``MAX_TAPS`` terms per output and a block scratch within ``SCRATCH_BYTES``."""
-    from apollo_py.codegen.conv_direct import MAX_TAPS, SCRATCH_BYTES
+    :data:`MAX_TAPS` terms per output and a block scratch within :data:`SCRATCH_BYTES`."""
     if g.group != 1 or g.c > MAX_CIN or g.kh * g.kw <= 1 or g.c * g.kh * g.kw > MAX_TAPS:
         return False
     return 4 * scratch_floats(g) <= SCRATCH_BYTES and prod((g.n, g.oh, g.ow, cout)) > 0

@@ -247,7 +247,7 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
         return _matvec_kernel(d, w, x, ops, outs)
     from apollo_py.codegen.conv_block import block_form, block_kernel
     if block_form(g, d.cout) and d.squeeze is None:
-        return block_kernel(d, w, x, ops, outs)
+        return block_kernel(d, w, x, ops, outs, _epilogue, _tree_sum)
     sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
                enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
