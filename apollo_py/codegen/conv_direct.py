@@ -459,6 +459,19 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
     return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
 
 
+#: a block-form conv (codegen/conv_block.py: stems) below this many flops runs on the calling
+#: thread whatever it moves: EfficientNet's / RegNetY's 32-channel stems (21.7 MFLOP, 2.2 MB)
+#: took 0.86 / 0.82 of the pool's time there (interleaved, load ~0.7)
+BLOCK_INLINE_FLOPS = 32 << 20
+
+
+def _small_block(d: DirectConvDesc) -> bool:
+    from apollo_py.codegen.conv_block import block_form
+    g = d.conv
+    return (not is_matvec(g) and block_form(g, d.cout) and d.squeeze is None
+            and 2 * g.n * d.cout * g.oh * g.ow * taps(g) < BLOCK_INLINE_FLOPS)
+
+
 class CompiledDirectConv:
     """Machine code of a direct conv; ``run(pool, w, x, operands, outputs)`` like
     :class:`~apollo_py.codegen.gemm.CompiledGemm` (weight first, then the input)."""
@@ -467,7 +480,7 @@ class CompiledDirectConv:
         self.desc = desc
         self.kernel = compiled
         self.ir = getattr(compiled, "ir", "")
-        self.inline = moved_bytes(desc) < INLINE_BYTES
+        self.inline = moved_bytes(desc) < INLINE_BYTES or _small_block(desc)
 
     def run(self, pool, w: np.ndarray, x: np.ndarray, operands, outputs) -> None:
         g = self.desc.conv
