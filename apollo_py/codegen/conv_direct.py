@@ -37,10 +37,14 @@ from apollo_py.errors import CompileError
 
 MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
 SCRATCH_BYTES = 256 * 1024   # padded input planes of one group on the stack (else border loops)
-#: output rows at least this wide keep the row form: LLVM vectorises them at 8-16 lanes, and in
-#: MobileNetV3-large's per-step profile (load ~20) the flat form took 1.1x at 112 and 56 wide
-#: rows and 3.9x at 64 channels 112x112 stride 2 (phase-split copy), against 0.45-0.9x at 28-7
-FLAT_MAX_OW = 32
+#: output rows at least this wide keep the row form: LLVM vectorises them at 8-16 lanes.  With the
+#: padding zeroed once per call (thread CPU time, one thread, load ~16), flat / row form: 56-wide
+#: outputs 0.79 (dw7 96ch), 0.88 (dw3 s2 64ch from 112), 0.92 (dw3 s2 96ch), 0.93-1.0 (dw3 72 /
+#: 144ch); 112-wide 1.11 (dw3 32ch).  (Before, with zero runs per plane, MobileNetV3's per-step
+#: profile had the flat form at 1.1x for 56 and 112 wide rows and 3.9x at 64 channels 112x112 s2)
+FLAT_MAX_OW = 64
+#: the flat form's loop runs whole 16-lane vectors; its scratch has this many floats of slack
+FLAT_SLACK = 16
 MATVEC_CHUNK_MACS = 32768    # least multiply-adds per thread-pool chunk of a matrix-vector conv
 #: a direct conv moving fewer bytes (input, weight, outputs, excitation) runs on the calling
 #: thread: a pool dispatch costs ~35 us before any work (machine.py), and these kernels run near
@@ -161,21 +165,22 @@ def is_matvec(g: ConvGeom) -> bool:
 
 
 def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Expr, at: L.Expr | None = None,
-              env_out: dict | None = None) -> list:
+              env_out: dict | None = None, prefix: str = "") -> list:
     """Statements computing the epilogue chain on ``acc`` (the conv's value at output row
     ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs
-    (at ``at`` instead of the output element's index when given: the flat form's scratch)."""
+    (at ``at`` instead of the output element's index when given: the flat form's scratch);
+    ``prefix`` keeps the locals of several channels' chains in one loop body apart."""
     from apollo_py.codegen.scalar_ops import scalar_op
     f32 = "float32"
-    stmts = [L.Local("v_head", f32, acc)]
-    env: dict = {d.head: L.Var("v_head", f32)}
+    stmts = [L.Local(prefix + "v_head", f32, acc)]
+    env: dict = {d.head: L.Var(prefix + "v_head", f32)}
     for q, o in enumerate(d.operands):
         env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, 2, row, col))
     env.update(d.inline_consts)
     for q, n in enumerate(d.nodes):
         e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
-        stmts.append(L.Local(f"v{q}", e.dtype, e))
-        env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+        stmts.append(L.Local(f"{prefix}v{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"{prefix}v{q}", e.dtype)
     if env_out is not None:
         env_out.update(env)
     lin = row * (d.conv.oh * d.conv.ow) + col if at is None else at
@@ -244,6 +249,9 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     from apollo_py.codegen import conv_dw_rows
     if conv_dw_rows.applies(d):     # 7x7 and larger depthwise: row-blocked (conv_dw_rows.py)
         return conv_dw_rows.dw_rows_kernel(d, w, x, ops, outs)
+    from apollo_py.codegen.conv_block import block_form, block_kernel
+    if block_form(g, d.cout) and d.squeeze is None:
+        return block_kernel(d, w, x, ops, outs, _epilogue, _tree_sum)
     sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
                enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
@@ -358,7 +366,10 @@ def _phase_split(d: DirectConvDesc, x):
     reads row ``oh*s + kh*dh`` and column ``ow*s + kw*dw``, i.e. sub-plane
     ``(kh*dh % s, kw*dw % s)`` at ``(oh + kh*dh // s, ow + kw*dw // s)`` -- unit stride in the
     flat index ``oh * Q + ow`` (``Q`` the sub-plane's width).  The copy reads each input element
-    once with stride ``s``; without the split every tap read with stride ``s`` (shuffles)."""
+    once with stride ``s``; without the split every tap read with stride ``s`` (shuffles).
+    The copy writes only the elements that hold input (the rest of the scratch is zeroed once
+    per call, :func:`_padded_kernel`); the scratch has :data:`FLAT_SLACK` floats past its
+    planes for the flat loop's last vector."""
     g = d.conv
     cgi = g.c // g.group
     s = g.strides[0]
@@ -367,26 +378,23 @@ def _phase_split(d: DirectConvDesc, x):
     rq, q = phase_plane(g)
     V = L.Var
     f32 = "float32"
-    zero = L.Const(0.0, f32)
-    pad = L.Alloc("xpad", f32, cgi * s * s * rq * q)
-    per_row = []
+    pad = L.Alloc("xpad", f32, cgi * s * s * rq * q + FLAT_SLACK)
+    per_phase = []
     for pr in range(s):
-        dst_row = ((V("ci") * s + pr) * s) * rq + V("i")
-        body = [L.Local(f"ih{pr}", "int64", V("i") * s + (pr - ph)),
-                L.Local(f"rowok{pr}", "bool", L.land(L.ge(V(f"ih{pr}"), 0), L.lt(V(f"ih{pr}"), g.h))),
-                L.Local(f"src{pr}", "int64", V("xbase") + (V("ci") * g.h + L.minimum(L.maximum(V(f"ih{pr}"), 0),
-                                                                                      g.h - 1)) * g.w)]
+        # sub-plane rows i whose input row i*s + pr - ph lies in [0, H)
+        i_lo = min(rq, max(0, -(-(ph - pr) // s)))
+        i_hi = min(rq, max(i_lo, -(-(g.h + ph - pr) // s)))
+        src = V("xbase") + (V("ci") * g.h + V("i") * s + (pr - ph)) * g.w
+        body = []
         for pc in range(s):
-            dst = (dst_row + pc * rq) * q
+            dst = (((V("ci") * s + pr) * s + pc) * rq + V("i")) * q
             # sub-plane columns jc whose input column jc*s + pc - pw lies in [0, W)
             lo = min(q, max(0, -(-(pw - pc) // s)))
             hi = min(q, max(lo, -(-(g.w + pw - pc) // s)))
-            body += [L.for_("jc", 0, lo, L.Store(pad, dst + V("jc"), zero), "vector"),
-                     L.for_("jc", lo, hi, L.Store(pad, dst + V("jc"), L.Select(
-                         V(f"rowok{pr}", "bool"), L.Load(x, V(f"src{pr}") + V("jc") * s + (pc - pw)), zero)), "vector"),
-                     L.for_("jc", hi, q, L.Store(pad, dst + V("jc"), zero), "vector")]
-        per_row.append(L.block(*body))
-    copy = L.for_("ci", 0, cgi, L.for_("i", 0, rq, L.block(*per_row)))
+            body.append(L.for_("jc", lo, hi, L.Store(pad, dst + V("jc"), L.Load(x, src + V("jc") * s + (pc - pw))),
+                               "vector"))
+        per_phase.append(L.for_("i", i_lo, i_hi, L.block(*body)))
+    copy = L.for_("ci", 0, cgi, L.block(*per_phase))
     j = V("j")
     acc = _tree_sum([L.Load(pad, (((ci * s + kh * dh % s) * s + kw * dw % s) * rq + kh * dh // s) * q
                             + kw * dw // s + j) * V(f"w{ci}_{kh}_{kw}", f32)
@@ -395,10 +403,10 @@ def _phase_split(d: DirectConvDesc, x):
 
 
 def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
-    """Per output plane: copy the group's input planes into a zero-padded scratch (zero runs and
-    one contiguous copy per row), then every output row is one vector loop of affine scratch
-    loads -- no border cases, no per-element tests; the tap weights are scalars hoisted out of
-    the plane."""
+    """Per output plane: copy the group's input planes into a zero-padded scratch (the padding is
+    zeroed once per call, each plane copies only its input rows), then every output row is one
+    vector loop of affine scratch loads -- no border cases, no per-element tests; the tap
+    weights are scalars hoisted out of the plane."""
     g = d.conv
     cgi, cgo = g.c // g.group, d.cout // g.group
     sh, sw = g.strides
@@ -409,22 +417,19 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
     f32 = "float32"
     zero = L.Const(0.0, f32)
     t, oh, ow = V("t"), V("oh"), V("ow")
-    pad = L.Alloc("xpad", f32, cgi * prow * pcol)
-    lz, mid_hi = min(pw, pcol), min(pw + g.w, pcol)
-    ihc = L.minimum(L.maximum(V("ih"), 0), g.h - 1)
-    dst = (V("ci") * prow + V("r")) * pcol
-    copy = L.for_("ci", 0, cgi, L.for_("r", 0, prow, L.block(
-        L.Local("ih", "int64", V("r") - ph),
-        L.Local("rowok", "bool", L.land(L.ge(V("ih"), 0), L.lt(V("ih"), g.h))),
-        L.Local("src", "int64", V("xbase") + (V("ci") * g.h + ihc) * g.w - pw),
-        L.for_("c", 0, lz, L.Store(pad, dst + V("c"), zero), "vector"),
-        L.for_("c", lz, mid_hi, L.Store(pad, dst + V("c"),
-                                        L.Select(V("rowok", "bool"), L.Load(x, V("src") + V("c")), zero)), "vector"),
-        L.for_("c", mid_hi, pcol, L.Store(pad, dst + V("c"), zero), "vector"))))
+    flat = flat_form(d)
+    pad = L.Alloc("xpad", f32, cgi * prow * pcol + (FLAT_SLACK if flat else 0))
+    # only the input's rows and columns are copied per plane: the padding is zeroed once per
+    # call (each thread's scratch; nothing else writes there)
+    r_lo, r_hi = min(g.h, max(0, -ph)), max(min(g.h, max(0, -ph)), min(g.h, prow - ph))
+    c_lo, c_hi = min(g.w, max(0, -pw)), max(min(g.w, max(0, -pw)), min(g.w, pcol - pw))
+    copy = L.for_("ci", 0, cgi, L.for_("ih", r_lo, r_hi, L.for_(
+        "c", c_lo, c_hi, L.Store(pad, (V("ci") * prow + V("ih") + ph) * pcol + pw + V("c"),
+                                 L.Load(x, V("xbase") + (V("ci") * g.h + V("ih")) * g.w + V("c"))), "vector")))
     weights = [L.Local(f"w{ci}_{kh}_{kw}", f32, L.Load(w, V("wbase") + ((ci * g.kh + kh) * g.kw + kw)))
                for ci in range(cgi) for kh in range(g.kh) for kw in range(g.kw)]
     allocs = [pad]
-    if flat_form(d):
+    if flat:
         j = V("j")
         if sw == 1:
             nflat = (g.oh - 1) * pcol + g.ow
@@ -434,6 +439,10 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
             pad, copy, acc, pcol = _phase_split(d, x)
             allocs = [pad]
             nflat = (g.oh - 1) * pcol + g.ow
+        # whole vectors: the points past the last output read the scratch's zeroed slack and are
+        # dropped like the padding columns; a remainder of up to 15 points ran scalar (7x7 5x5:
+        # 73 points, 4 vectors + 9 scalar tap sums and epilogues)
+        nflat = -(-nflat // FLAT_SLACK) * FLAT_SLACK
         tmps = [L.Alloc(f"yflat{q}", dt, nflat) for q, dt in enumerate(d.out_dtypes)]
         allocs += tmps
         copies = [L.Store(o, t * (g.oh * g.ow) + oh * g.ow + ow, L.Load(y, oh * pcol + ow)) for o, y in zip(outs, tmps)]
@@ -451,8 +460,22 @@ def _padded_kernel(d: DirectConvDesc, w, x, ops, outs, sq_outs=()) -> L.Kernel:
         L.Local("xbase", "int64", (V("img") * g.c + (V("co") // cgo) * cgi) * (g.h * g.w)),
         L.Local("wbase", "int64", V("co") * (cgi * g.kh * g.kw)),
         copy, *weights, rows, *_squeeze(d, outs, sq_outs, t))
-    loops = L.block(*allocs, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
+    zero_fill = L.for_("z", 0, pad.size, L.Store(pad, V("z"), zero), "vector")
+    loops = L.block(*allocs, zero_fill, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
     return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)
+
+
+#: a block-form conv (codegen/conv_block.py: stems) below this many flops runs on the calling
+#: thread whatever it moves: EfficientNet's / RegNetY's 32-channel stems (21.7 MFLOP, 2.2 MB)
+#: took 0.86 / 0.82 of the pool's time there (interleaved, load ~0.7)
+BLOCK_INLINE_FLOPS = 32 << 20
+
+
+def _small_block(d: DirectConvDesc) -> bool:
+    from apollo_py.codegen.conv_block import block_form
+    g = d.conv
+    return (not is_matvec(g) and block_form(g, d.cout) and d.squeeze is None
+            and 2 * g.n * d.cout * g.oh * g.ow * taps(g) < BLOCK_INLINE_FLOPS)
 
 
 class CompiledDirectConv:
@@ -463,7 +486,7 @@ class CompiledDirectConv:
         self.desc = desc
         self.kernel = compiled
         self.ir = getattr(compiled, "ir", "")
-        self.inline = moved_bytes(desc) < INLINE_BYTES
+        self.inline = moved_bytes(desc) < INLINE_BYTES or _small_block(desc)
 
     def run(self, pool, w: np.ndarray, x: np.ndarray, operands, outputs) -> None:
         g = self.desc.conv
@@ -510,8 +533,8 @@ def _source_digest() -> str:
     from ..fsutil import files_digest
     here = os.path.dirname(__file__)
     return files_digest(os.path.join(here, f) for f in
-                        ("conv_direct.py", "conv_dw_rows.py", "loopir.py", "printer.py", "llvm_math.py",
-                         "scalar_ops.py"))
+                        ("conv_direct.py", "conv_dw_rows.py", "conv_block.py", "loopir.py", "printer.py",
+                         "llvm_math.py", "scalar_ops.py"))
 
 
 def render_direct_conv(d: DirectConvDesc) -> str:

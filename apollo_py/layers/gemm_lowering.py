@@ -163,6 +163,11 @@ def conv_shapes_2d(head: Node, types) -> tuple:
     return lift(xs), lift(ws), lift(os_), attrs
 
 
+#: dense convs of few input channels (stems) on the block kernel (codegen/conv_block.py); off: the
+#: implicit GEMM / row-reading conv as before (A/B runs in one process)
+BLOCK_CONVS = True
+
+
 def _direct_conv(head: Node, types, options: Options) -> str:
     """Why the direct kernel (codegen/conv_direct.py) runs conv ``head`` ("" = implicit GEMM):
     a grouped conv on the CPU whose per-output sum is at most ``MAX_TAPS`` terms, or a 1x1 conv
@@ -171,11 +176,18 @@ def _direct_conv(head: Node, types, options: Options) -> str:
     if head.op != "conv" or options.target in ("cuda", "cuda-emu"):
         return ""
     group = int(head.attrs["group"])
-    xs, ws, os_, _ = conv_shapes_2d(head, types)
+    xs, ws, os_, attrs = conv_shapes_2d(head, types)
     cg, kh, kw = ws[1:]
     if xs[2:] == (1, 1) and (kh, kw) == (1, 1) and os_[2:] == (1, 1):
         return f"1x1 conv of a 1x1 image: matrix-vector product of {cg} terms per output"
     cgo = ws[0] // max(group, 1)
+    if group == 1 and BLOCK_CONVS:
+        from ..codegen.conv_block import block_form
+        from ..codegen.conv_direct import direct_conv_desc
+        if block_form(direct_conv_desc("probe", xs, ws, os_, attrs, "").conv, ws[0]):
+            return (f"dense conv of {cg} input channels, {cg * kh * kw} taps: blocks of output rows and "
+                    "channels from one padded copy of the input rows (an implicit GEMM would pack K = "
+                    f"{cg * kh * kw} im2col rows per call)")
     # measured (interleaved, shared box at load ~20, direct / implicit-GEMM time): 3x3 convs
     # with 1, 2, 4 channels per group in and out 0.03, 0.03, 0.65; 8 in and out 1.22 -- the
     # GEMM's micro-tile fills once a group has 8 output rows sharing its packed input

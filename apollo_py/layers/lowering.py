@@ -123,7 +123,7 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 epilogue = prologue + epilogue
             sq = _squeeze_next(gi, head[0], epilogue, groups, micro_graphs, graph, reads_after, options)
             if sq is not None:
-                steps.append(sq)
+                steps.extend(sq)
                 skip.add(gi + 1)
                 continue
             if epilogue and options.target == "cpu":
@@ -195,20 +195,34 @@ def stitch_key(group, micro_graphs, types) -> str:
 
 
 def _squeeze_next(gi: int, head, epilogue, groups, micro_graphs, graph: Graph, reads_after, options: Options):
-    """The conv step of group ``gi`` with the next group's global-average-pool squeeze or
-    excitation multiply fused into it (layers/conv_squeeze.py), or None."""
+    """The steps of group ``gi`` and the next one when that is a conv followed by a
+    global-average-pool squeeze or excitation multiply fused into it, or by a squeeze whose
+    elementwise chain the conv's GEMM takes as its epilogue (layers/conv_squeeze.py); None
+    otherwise."""
     if gi + 1 >= len(groups) or options.target != "cpu":
         return None
     nxt = groups[gi + 1]
     if any(micro_graphs[k].kind not in ("reduction", "elementwise", "broadcast") for k in nxt):
         return None
-    from .conv_squeeze import fuse_excite, fuse_squeeze
+    from .conv_squeeze import fuse_excite, fuse_squeeze, fuse_squeeze_chain
     nodes = [n for k in nxt for n in micro_graphs[k].nodes]
     for fuse in (fuse_squeeze, fuse_excite):
         spec = fuse(head, list(epilogue), nodes, graph, reads_after[gi + 1], options, (*groups[gi], *nxt))
         if spec is not None:
-            return spec
-    return None
+            return [spec]
+    if not SQUEEZE_CHAIN:
+        return None
+    got = fuse_squeeze_chain(head, list(epilogue), nodes, graph, reads_after[gi + 1], options, tuple(groups[gi]))
+    if got is None:
+        return None
+    spec, rest = got
+    ins, outs = _boundary(rest, graph, reads_after[gi + 1])
+    return [spec, *_fuse(rest, ins, outs, graph, options, tuple(nxt), [micro_graphs[k] for k in nxt])]
+
+
+#: a GEMM conv takes the elementwise chain of the squeeze after it as its epilogue
+#: (conv_squeeze.fuse_squeeze_chain); off: the reduction kernel applies it (A/B runs)
+SQUEEZE_CHAIN = True
 
 
 def _micro_graph_label(micro_graphs, group) -> str:

@@ -100,25 +100,28 @@ def ort_run(model, feeds: dict):
 
 
 def se_block_model(x_shape, k=3, stride=1, act="SiLU", gate="Sigmoid", mean="ReduceMean", reduce=4, seed=0,
-                   opset=17, expose_pool=False):
+                   opset=17, expose_pool=False, groups=None):
     """A mobile inverted-residual tail: depthwise ``k x k`` conv (bias) -> ``act`` -> squeeze-excitation
     (global average pool spelt ``mean`` -- "ReduceMean", "GlobalAveragePool", or "SumDiv" for the torch
     dynamo form ``ReduceSum / (H*W)`` -- 1x1 conv, ReLU or ``act``, 1x1 conv, ``gate``) -> ``a * gate``.
 
     ``act``: "SiLU", "HardSwish", "Relu"; ``gate``: "Sigmoid" or "HardSigmoid".  ``expose_pool`` adds
-    the pooled vector as a second graph output."""
+    the pooled vector as a second graph output.  ``groups``: the first conv's groups (default: depthwise;
+    RegNetY's grouped 3x3 convs have 24 channels per group)."""
     rng = np.random.default_rng(seed)
     c = x_shape[1]
     cr = max(1, c // reduce)
     p = k // 2
-    inits = [numpy_helper.from_array((rng.standard_normal((c, 1, k, k)) * 0.3).astype(np.float32), "Wd"),
+    groups = groups or c
+    inits = [numpy_helper.from_array((rng.standard_normal((c, c // groups, k, k)) * 0.3 / np.sqrt(c // groups))
+                                     .astype(np.float32), "Wd"),
              numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "Bd"),
              numpy_helper.from_array((rng.standard_normal((cr, c, 1, 1)) / np.sqrt(c)).astype(np.float32), "W1"),
              numpy_helper.from_array(rng.standard_normal(cr).astype(np.float32) * 0.1, "B1"),
              numpy_helper.from_array((rng.standard_normal((c, cr, 1, 1)) / np.sqrt(cr)).astype(np.float32), "W2"),
              numpy_helper.from_array(rng.standard_normal(c).astype(np.float32) * 0.1, "B2")]
     nodes = [helper.make_node("Conv", ["x", "Wd", "Bd"], ["d"], strides=[stride, stride], pads=[p, p, p, p],
-                              group=c)]
+                              group=groups)]
 
     def activation(src, dst, kind):
         if kind == "SiLU":

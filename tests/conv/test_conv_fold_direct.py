@@ -33,8 +33,11 @@ CASES = {
     "dw4_s3": ((2, 5, 16, 19), (5, 1, 4, 4), dict(strides=(3, 3), pads=(1, 1, 2, 2), group=5, act="HardSwish")),
     "grouped_s2": ((1, 8, 11, 11), (8, 2, 3, 3), dict(strides=(2, 2), pads=(1, 1, 1, 1), group=4, bn=True)),
     # rows of FLAT_MAX_OW and more keep the row form
-    "dw3_wide_rows": ((1, 4, 5, 40), (4, 1, 3, 3), dict(pads=(1, 1, 1, 1), group=4, act="Relu")),
-    "dw3_s2_wide_rows": ((1, 3, 6, 70), (3, 1, 3, 3), dict(strides=(2, 2), pads=(1, 1, 1, 1), group=3, act="SiLU")),
+    "dw3_wide_rows": ((1, 4, 5, 70), (4, 1, 3, 3), dict(pads=(1, 1, 1, 1), group=4, act="Relu")),
+    "dw3_s2_wide_rows": ((1, 3, 6, 130), (3, 1, 3, 3), dict(strides=(2, 2), pads=(1, 1, 1, 1), group=3, act="SiLU")),
+    # below FLAT_MAX_OW: the flat form (a 56-wide stride-2 row, ConvNeXt's 7x7)
+    "dw3_s2_56": ((1, 3, 9, 112), (3, 1, 3, 3), dict(strides=(2, 2), pads=(1, 1, 1, 1), group=3, act="HardSwish")),
+    "dw7_56": ((1, 2, 9, 56), (2, 1, 7, 7), dict(pads=(3, 3, 3, 3), group=2)),
     # channel multiplier 2 (Cout = 2 * Cin), grouped with 3 channels per group, strided + dilated
     "dw_mult2": ((1, 4, 9, 9), (8, 1, 3, 3), dict(pads=(1, 1, 1, 1), group=4, act="Relu")),
     "grouped": ((1, 12, 15, 17), (24, 3, 3, 3), dict(strides=(2, 1), pads=(1, 0, 2, 1), dilations=(2, 1), group=4,

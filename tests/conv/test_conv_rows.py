@@ -17,10 +17,13 @@ from models import conv_model, ort_run  # noqa: E402
 def _rows_for_small_convs(monkeypatch):
     """The cases here are small (fast to test): below ``SMALL_CONV_FLOPS`` they would run on the
     calling thread's implicit GEMM, so the threshold is lifted for them; their small output planes
-    would take the channel-vector kernel (tests/conv/test_conv_cvec.py), so that is switched off."""
+    would take the channel-vector kernel (tests/conv/test_conv_cvec.py), and dense convs of few
+    input channels (``no_pad_k2``) the block kernel (codegen/conv_block.py): both switched off."""
     from apollo_py.codegen import conv_cvec, gemm
+    from apollo_py.layers import gemm_lowering
     monkeypatch.setattr(gemm, "SMALL_CONV_FLOPS", 0)
     monkeypatch.setattr(conv_cvec, "ENABLED", False)
+    monkeypatch.setattr(gemm_lowering, "BLOCK_CONVS", False)
 
 # name -> (x shape, w shape, strides, pads, dilations, group, activation, BatchNorm)
 CASES = {

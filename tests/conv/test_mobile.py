@@ -112,3 +112,45 @@ def test_zoo_small_se_blocks_fused():
         excites = sum(1 for k in ks if getattr(k.gemm, "excite", None) is not None)
         lone_mul = [k for k in ks if k.fused is not None and [n.op for n in k.fused.nodes] == ["mul"]]
         assert squeezes >= 3 and excites == squeezes and not lone_mul, (name, squeezes, excites, f.plan)
+
+
+def _gemm_squeeze_models():
+    """RegNetY's SE block (grouped 3x3 conv, 24 channels per group: a GEMM conv, ReLU, dynamo's
+    mean) and EfficientNet's head (1x1 conv + SiLU + global average pool)."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(2)
+    regnet = se_block_model(x_shape=(1, 48, 14, 14), k=3, act="Relu", mean="SumDiv", groups=2)
+    inits = [numpy_helper.from_array((rng.standard_normal((64, 32, 1, 1)) / 6).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "B")]
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"]), helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Mul", ["c", "s"], ["a"]),
+             helper.make_node("ReduceMean", ["a"], ["y"], axes=[2, 3], keepdims=1)]
+    g = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 7, 7])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    head = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return {"regnet_se": (regnet, (1, 48, 14, 14), "relu"), "effnet_head": (head, (1, 32, 7, 7), "sigmoid")}
+
+
+@pytest.mark.parametrize("case", ["regnet_se", "effnet_head"])
+@pytest.mark.parametrize("chain", [True, False])
+def test_gemm_conv_takes_the_squeeze_chain_as_epilogue(case, chain, monkeypatch):
+    """A GEMM conv (not a direct one) followed by ``act -> reduce_sum over H, W``: the activation
+    is the GEMM's epilogue and the reduction kernel only sums (``SQUEEZE_CHAIN`` off: the
+    reduction kernel applies it, as before)."""
+    from apollo_py.layers import lowering
+    monkeypatch.setattr(lowering, "SQUEEZE_CHAIN", chain)
+    m, xs, act = _gemm_squeeze_models()[case]
+    x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    want = ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    ks = f.plan.kernels
+    conv, red = ks[0], ks[1]
+    assert conv.gemm is not None and "direct conv" not in conv.reason and red.gemm is None, f.plan
+    red_ops = {n.op for n in red.fused.nodes}
+    assert "reduce_sum" in red_ops
+    if chain:
+        assert act in {n.op for n in conv.nodes} and "epilogue add+" in conv.reason, conv.reason
+        assert not {"add", act} & red_ops, red_ops
+    else:
+        assert act in red_ops
