@@ -450,6 +450,25 @@ class Kernel:
 # --------------------------------------------------------------------------- helpers
 
 
+def outer_parallel_loop(k: "Kernel"):
+    """The outermost (breadth-first) parallel For over ``k.parallel_var``; None when the kernel
+    has no parallel var or no such loop."""
+    if k.parallel_var is None:
+        return None
+    stack = [k.body]
+    while stack:
+        s = stack.pop(0)
+        if isinstance(s, For):
+            if s.kind == "parallel" and s.var.name == k.parallel_var:
+                return s
+            stack.append(s.body)
+        elif isinstance(s, Block):
+            stack.extend(s.stmts)
+        elif isinstance(s, If):
+            stack.extend(x for x in (s.then, s.else_) if x is not None)
+    return None
+
+
 def _b(op, a, b) -> Bin:
     if not isinstance(a, Expr):
         a = as_expr(a, b.dtype if isinstance(b, Expr) else "int64")

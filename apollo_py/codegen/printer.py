@@ -131,18 +131,10 @@ class Printer:
         """Return the outermost parallel For over ``k.parallel_var`` (None if unset)."""
         if k.parallel_var is None:
             return None
-        stack = [k.body]
-        while stack:  # breadth-first: the outermost matching loop wins
-            s = stack.pop(0)
-            if isinstance(s, L.For):
-                if s.kind == "parallel" and s.var.name == k.parallel_var:
-                    return s
-                stack.append(s.body)
-            elif isinstance(s, L.Block):
-                stack.extend(s.stmts)
-            elif isinstance(s, L.If):
-                stack.extend([x for x in (s.then, s.else_) if x is not None])
-        raise CompileError(f"kernel {k.name!r}: no parallel loop over {k.parallel_var!r}")
+        loop = L.outer_parallel_loop(k)
+        if loop is None:
+            raise CompileError(f"kernel {k.name!r}: no parallel loop over {k.parallel_var!r}")
+        return loop
 
     def render(self, k: L.Kernel) -> str:  # pragma: no cover - overridden
         raise NotImplementedError

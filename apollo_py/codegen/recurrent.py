@@ -48,6 +48,23 @@ def _act(name: str, alpha: float, beta: float, x: L.Expr) -> L.Expr:
                        f"(supported: {', '.join(ACTIVATIONS)})")
 
 
+def _lstm_cell(attrs, gv, cprev, peep, act, clipped, cf, dtype):
+    """The LSTM cell of one unit (both kernels): gate pre-activations ``gv`` = (i, o, f, c), the
+    previous cell state ``cprev``, ``peep(k)`` the peephole weight of gate k (0 = i, 1 = o,
+    2 = f).  Returns ``(statements setting the locals i_g and c_new, c_new, the new h)``."""
+    zi, zo, zf, zc = gv
+    if attrs["peephole"]:
+        zi = zi + peep(0) * cprev
+        zf = zf + peep(2) * cprev
+    i_g = L.Var("i_g", dtype)
+    f_g = cf(1) - i_g if attrs["input_forget"] else act(0, clipped(zf))
+    c_new = L.Var("c_new", dtype)
+    zo_full = zo + peep(1) * c_new if attrs["peephole"] else zo
+    cell = [L.Local("i_g", dtype, act(0, clipped(zi))),
+            L.Local("c_new", dtype, f_g * cprev + i_g * act(1, clipped(zc)))]
+    return cell, c_new, act(0, clipped(zo_full)) * act(2, c_new)
+
+
 def block_rows(batch: int, directions: int, threads: int) -> int:
     """Batch rows per parallel chunk: the batch split evenly over the threads the directions
     leave idle, at most 4 rows (each R element loaded is reused from a register for the
@@ -186,20 +203,9 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
         elem = [L.Store(hn, bi * hsz + j, act(0, clipped(gv[0])))]
     elif lstm:
         step.append(dots(0, gh, yh))
-        cprev = yc[hidx(j)]
-        zi, zo, zf, zc = gv
-        peep = bool(attrs["peephole"])
-        if peep:
-            zi = zi + aux[d * aux_len + j] * cprev
-            zf = zf + aux[d * aux_len + 2 * hsz + j] * cprev
-        i_g = L.Var("i_g", dtype)
-        f_g = cf(1) - i_g if attrs["input_forget"] else act(0, clipped(zf))
-        c_new = L.Var("c_new", dtype)
-        zo_full = zo + aux[d * aux_len + hsz + j] * c_new if peep else zo
-        elem = [L.Local("i_g", dtype, act(0, clipped(zi))),
-                L.Local("c_new", dtype, f_g * cprev + i_g * act(1, clipped(zc))),
-                L.Store(yc, hidx(j), c_new),
-                L.Store(hn, bi * hsz + j, act(0, clipped(zo_full)) * act(2, c_new))]
+        cell, c_new, h = _lstm_cell(attrs, gv, yc[hidx(j)], lambda k: aux[d * aux_len + k * hsz + j],
+                                    act, clipped, cf, dtype)
+        elem = [*cell, L.Store(yc, hidx(j), c_new), L.Store(hn, bi * hsz + j, h)]
     else:
         zt = act(0, clipped(gv[0]))
         if attrs["lbr"]:
@@ -412,20 +418,9 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     if cell == "rnn":
         elem = [L.Local("h_new", dtype, act(0, clipped(gv[0])))]
     elif lstm:
-        cprev = yc[hidx(j)]
-        zi, zo, zf, zc = gv
-        peep = bool(attrs["peephole"])
-        if peep:
-            zi = zi + aux[d * aux_len + j] * cprev
-            zf = zf + aux[d * aux_len + 2 * hsz + j] * cprev
-        i_g = L.Var("i_g", dtype)
-        f_g = cf(1) - i_g if attrs["input_forget"] else act(0, clipped(zf))
-        c_new = L.Var("c_new", dtype)
-        zo_full = zo + aux[d * aux_len + hsz + j] * c_new if peep else zo
-        elem = [L.Local("i_g", dtype, act(0, clipped(zi))),
-                L.Local("c_new", dtype, f_g * cprev + i_g * act(1, clipped(zc))),
-                L.Store(yc, hidx(j), c_new),
-                L.Local("h_new", dtype, act(0, clipped(zo_full)) * act(2, c_new))]
+        cell, c_new, h = _lstm_cell(attrs, gv, yc[hidx(j)], lambda k: aux[d * aux_len + k * hsz + j],
+                                    act, clipped, cf, dtype)
+        elem = [*cell, L.Store(yc, hidx(j), c_new), L.Local("h_new", dtype, h)]
     else:   # GRU, linear_before_reset
         zt = act(0, clipped(gv[0]))
         h_t = act(1, clipped(xv(2) + act(0, clipped(gv[1])) * (dot[2] + aux[d * aux_len + j])))

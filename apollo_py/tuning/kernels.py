@@ -33,24 +33,6 @@ def _strip(s):
     return s
 
 
-def _outer_parallel(k: L.Kernel):
-    """The kernel's parallel For (the printer's rule: breadth-first, outermost)."""
-    if k.parallel_var is None:
-        return None
-    stack = [k.body]
-    while stack:
-        s = stack.pop(0)
-        if isinstance(s, L.For):
-            if s.kind == "parallel" and s.var.name == k.parallel_var:
-                return s
-            stack.append(s.body)
-        elif isinstance(s, L.Block):
-            stack.extend(s.stmts)
-        elif isinstance(s, L.If):
-            stack.extend(x for x in (s.then, s.else_) if x is not None)
-    return None
-
-
 def _extent(f: L.For):
     if isinstance(f.lo, L.Const) and isinstance(f.hi, L.Const):
         return int(f.hi.value) - int(f.lo.value)
@@ -64,7 +46,7 @@ def second_parallel(fused) -> L.Kernel | None:
     ext = tuple(getattr(fused, "band_extents", ()) or ())
     if getattr(fused, "parallel_dims", 0) < 2 or getattr(fused, "tile_sizes", ()) or len(ext) < 2 or ext[1] <= 1:
         return None
-    outer = _outer_parallel(k)
+    outer = L.outer_parallel_loop(k)
     if outer is None or _extent(outer) != ext[0]:
         return None
     inner = _strip(outer.body)
