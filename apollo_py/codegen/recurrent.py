@@ -48,6 +48,17 @@ def _act(name: str, alpha: float, beta: float, x: L.Expr) -> L.Expr:
                        f"(supported: {', '.join(ACTIVATIONS)})")
 
 
+def _direction_act(acts, nd: int, d, k: int, x: L.Expr) -> L.Expr:
+    """Activation ``k`` (f, g, h) of direction ``d`` (an index expression) over ``nd``
+    directions with activations ``acts``: a Select chain where directions differ."""
+    outs = [_act(*acts[di][k], x) for di in range(nd)]
+    e = outs[-1]
+    for di in range(nd - 2, -1, -1):
+        if outs[di] != e:
+            e = L.Select(L.eq(d, di), outs[di], e)
+    return e
+
+
 def _lstm_cell(attrs, gv, cprev, peep, act, clipped, cf, dtype):
     """The LSTM cell of one unit (both kernels): gate pre-activations ``gv`` = (i, o, f, c), the
     previous cell state ``cprev``, ``peep(k)`` the peephole weight of gate k (0 = i, 1 = o,
@@ -183,13 +194,7 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
     acts = attrs["acts"]
 
     def act(k, x):
-        """Activation k (f, g, h) of direction d: a Select chain when directions differ."""
-        outs = [_act(*acts[di][k], x) for di in range(nd)]
-        e = outs[-1]
-        for di in range(nd - 2, -1, -1):
-            if outs[di] != e:
-                e = L.Select(L.eq(d, di), outs[di], e)
-        return e
+        return _direction_act(acts, nd, d, k, x)
 
     def xv(gi):  # projected input of gate gi, unit j, at this row's time index
         return xp[((t_b * batch + b) * nd + d) * gh + gi * hsz + j]
@@ -398,12 +403,7 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     acts = attrs["acts"]
 
     def act(k, x):
-        outs = [_act(*acts[di][k], x) for di in range(nd)]
-        e = outs[-1]
-        for di in range(nd - 2, -1, -1):
-            if outs[di] != e:
-                e = L.Select(L.eq(d, di), outs[di], e)
-        return e
+        return _direction_act(acts, nd, d, k, x)
 
     def hidx(jj):
         return (d * batch + b) * hsz + jj

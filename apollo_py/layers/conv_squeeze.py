@@ -62,6 +62,17 @@ def _tail_ok(tail: list, r: Node, graph: Graph, consts: dict) -> bool:
     return True
 
 
+def _conv_head_parts(head: Node, nxt: list, types):
+    """``(output shape, _split of the next group)`` when ``head`` is a conv with a 4-d output and
+    a next group; ``(None, None)`` otherwise."""
+    if head.op != "conv" or not nxt:
+        return None, None
+    shape = tuple(types[head.outputs[0]].shape)
+    if len(shape) != 4:
+        return None, None
+    return shape, _split(list(nxt), shape, types)
+
+
 def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set, options: Options,
                  group: tuple):
     """One direct-conv StepSpec computing ``head``, ``epilogue``, and the next group ``nxt``
@@ -71,12 +82,7 @@ def fuse_squeeze(head: Node, epilogue: list, nxt: list, graph: Graph, later: set
     from ..codegen.conv_direct import DirectConvDesc, Squeeze, is_matvec
     from .gemm_lowering import gemm_spec
     types = graph.types
-    if head.op != "conv" or not nxt:
-        return None
-    shape = tuple(types[head.outputs[0]].shape)
-    if len(shape) != 4:
-        return None
-    parts = _split(list(nxt), shape, types)
+    shape, parts = _conv_head_parts(head, nxt, types)
     if parts is None:
         return None
     chain, r, tail = parts
@@ -169,12 +175,7 @@ def fuse_squeeze_chain(head: Node, epilogue: list, nxt: list, graph: Graph, late
     from ..codegen.conv_direct import DirectConvDesc
     from .gemm_lowering import gemm_spec
     types = graph.types
-    if head.op != "conv" or not nxt:
-        return None
-    shape = tuple(types[head.outputs[0]].shape)
-    if len(shape) != 4:
-        return None
-    parts = _split(list(nxt), shape, types)
+    shape, parts = _conv_head_parts(head, nxt, types)
     if parts is None or not parts[0]:
         return None
     chain, r, tail = parts
