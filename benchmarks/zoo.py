@@ -84,9 +84,13 @@ def _ort(path: str, level, threads: int):
     return _ort_session(path, level, threads)
 
 
-def _time_interleaved(fns: dict, rounds: int, block_s: float = 0.05) -> dict:
+def _time_interleaved(fns: dict, rounds: int, block_s: float = 0.1, settle_s: float = 0.05) -> dict:
     """Median over rounds of the mean ms per call; each round runs every contender for a block of
-    calls lasting ~block_s, round-robin, after a warm-up block."""
+    calls lasting ~block_s, round-robin, after a warm-up block.  Each block starts ``settle_s``
+    after the previous one ends, and the order rotates every round: OpenVINO's TBB workers (and
+    OpenBLAS's) spin for a while after a call, and on 2 cores they would slow whichever
+    contender always came next (ResNet-50 took 22.7-28.1 ms here without the pause, 20.6 ms
+    in a process with only onnxruntime beside it)."""
     reps = {}
     for name, fn in fns.items():
         fn()
@@ -95,9 +99,11 @@ def _time_interleaved(fns: dict, rounds: int, block_s: float = 0.05) -> dict:
         one = max(time.perf_counter() - t0, 1e-6)
         reps[name] = max(1, min(1000, int(block_s / one)))
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            n = reps[name]
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, n = fns[name], reps[name]
+            time.sleep(settle_s)
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
