@@ -3,9 +3,11 @@
 A piece is one kernel after the fusion layers.  Its key is a sha256 over the piece's structural
 key, the target, the Options fields that change code, and the data-model version (versions of
 apollo_py, islpy, llvmlite and the host CPU features), so upgrading any of them invalidates old
-entries.  Each disk entry is ``<key>.bin`` (object code) + ``<key>.json`` (metadata with the
-payload's sha256), both written atomically (temp file + rename); an entry whose checksum does
-not match is discarded and recompiled.  No pickle.
+entries.  Each disk entry is one file, ``<key>.piece``: a line of JSON metadata (with the
+payload's sha256 and size), then the object code, written atomically (temp file + rename), so
+a reader sees a whole entry of one writer or none, however many processes write the same key
+at once; an entry whose checksum does not match is discarded and recompiled.  No pickle.
+(``head -1 <key>.piece`` shows the metadata.)
 
 The disk store holds at most ``max_bytes`` (default :data:`DISK_MAX_BYTES`) of object code:
 when a write takes it over the cap, the least recently used entries (by the metadata file's
@@ -28,9 +30,11 @@ from .fsutil import atomic_write
 
 #: default cap on the object code kept on disk per cache directory
 DISK_MAX_BYTES = 1 << 30
-#: a temp file or half entry this old is left over from a killed process (a live writer renames
+#: a temp file this old is left over from a killed process (a live writer renames
 #: its temp file within milliseconds), so the sweep may delete it
 STALE_S = 600.0
+#: the file name ending of a piece entry (metadata line + object code)
+PIECE_SUFFIX = ".piece"
 
 
 @lru_cache(maxsize=None)
@@ -65,13 +69,12 @@ class PieceCache:
         self.max_bytes = max_bytes
         self._mem: LRUCache = LRUCache(capacity)
         self._lock = threading.Lock()
-        self._disk_bytes: int | None = None   # payload bytes on disk as last counted (+ writes since)
+        self._disk_bytes: int | None = None   # entry bytes on disk as last counted (+ writes since)
         self.hits = self.misses = self.disk_hits = self.evictions = 0
         self.write_error: str | None = None   # why the directory could not be written (once)
 
-    def _paths(self, key: str) -> tuple[str, str]:
-        sub = os.path.join(self.directory, "pieces", key[:2])
-        return os.path.join(sub, key + ".bin"), os.path.join(sub, key + ".json")
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, "pieces", key[:2], key + PIECE_SUFFIX)
 
     def get(self, key: str) -> tuple[bytes, dict] | None:
         """Payload and metadata for ``key``, or None (a corrupt disk entry is deleted)."""
@@ -94,7 +97,7 @@ class PieceCache:
         with self._lock:
             if key in self._mem:
                 return True
-        return bool(self.directory) and all(os.path.exists(p) for p in self._paths(key))
+        return bool(self.directory) and os.path.exists(self._path(key))
 
     def put(self, key: str, payload: bytes, meta: dict) -> None:
         meta = dict(meta, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload))
@@ -107,33 +110,40 @@ class PieceCache:
         self._mem[key] = entry
 
     def _read_disk(self, key):
-        bin_path, json_path = self._paths(key)
+        path = self._path(key)
         try:
-            with open(json_path, encoding="utf-8") as f:
-                meta = json.load(f)
-            with open(bin_path, "rb") as f:
+            with open(path, "rb") as f:
+                head = f.readline()
                 payload = f.read()
+                ident = os.fstat(f.fileno()).st_ino
+            meta = json.loads(head)
         except (OSError, ValueError):
-            return None
+            meta = None
+            try:
+                ident = os.stat(path).st_ino
+            except OSError:
+                return None         # no entry
         if not isinstance(meta, dict) or hashlib.sha256(payload).hexdigest() != meta.get("sha256"):
-            for p in (bin_path, json_path):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+            # corrupt (a whole file is renamed into place, so this is not a writer in progress);
+            # remove it unless another writer has replaced it since it was read
+            try:
+                if os.stat(path).st_ino == ident:
+                    os.unlink(path)
+            except OSError:
+                pass
             return None
         try:
-            os.utime(json_path)     # recently used: evicted last
+            os.utime(path)          # recently used: evicted last
         except OSError:
             pass
         return payload, meta
 
     def _write_disk(self, key, payload, meta):
-        bin_path, json_path = self._paths(key)
+        path = self._path(key)
         try:
-            os.makedirs(os.path.dirname(bin_path), exist_ok=True)
-            atomic_write(bin_path, payload)
-            atomic_write(json_path, json.dumps(meta, sort_keys=True).encode())
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            data = json.dumps(meta, sort_keys=True).encode() + b"\n" + payload
+            atomic_write(path, data)
         except OSError as e:
             # a read-only or full cache dir only costs recompilation, but say so once: silently,
             # every new process would compile (and time) everything again without a hint why
@@ -148,13 +158,13 @@ class PieceCache:
             return
         with self._lock:
             if self._disk_bytes is not None:
-                self._disk_bytes += len(payload)
+                self._disk_bytes += len(data)
             over = self._disk_bytes is None or self._disk_bytes > self.max_bytes
         if over:
             self._evict()
 
     def _entries(self) -> list[tuple[float, int, str]]:
-        """``(last use, payload bytes, key)`` of every complete entry on disk."""
+        """``(last use, file bytes, key)`` of every entry on disk."""
         out = []
         root = os.path.join(self.directory, "pieces")
         if not os.path.isdir(root):
@@ -163,14 +173,13 @@ class PieceCache:
             if not sub.is_dir():
                 continue
             for f in os.scandir(sub.path):
-                if not f.name.endswith(".bin"):
+                if not f.name.endswith(PIECE_SUFFIX):
                     continue
-                key = f.name[:-4]
                 try:
-                    used = os.stat(os.path.join(sub.path, key + ".json")).st_mtime
-                    out.append((used, f.stat().st_size, key))
+                    st = f.stat()
                 except OSError:
-                    continue    # being written or removed by another process
+                    continue    # removed by another process
+                out.append((st.st_mtime, st.st_size, f.name[:-len(PIECE_SUFFIX)]))
         return out
 
     def _evict(self) -> None:
@@ -185,11 +194,10 @@ class PieceCache:
             for _, size, key in sorted(entries):
                 if total <= 0.9 * self.max_bytes:
                     break
-                for p in self._paths(key):
-                    try:
-                        os.unlink(p)
-                    except OSError:
-                        pass
+                try:
+                    os.unlink(self._path(key))
+                except OSError:
+                    pass
                 total -= size
                 with self._lock:
                     self.evictions += 1
@@ -203,7 +211,7 @@ class PieceCache:
         if root and os.path.isdir(root):
             for dirpath, _, files in os.walk(root):
                 for f in files:
-                    if f.endswith(".bin"):
+                    if f.endswith(PIECE_SUFFIX):
                         n += 1
                         size += os.path.getsize(os.path.join(dirpath, f))
         return {"directory": self.directory, "entries": n, "bytes": size, "max_bytes": self.max_bytes,
@@ -225,22 +233,19 @@ class PieceCache:
 def sweep_stale(directory: str | None, older_than: float = STALE_S) -> list[str]:
     """Delete what a process killed mid-write (SIGKILL, power loss) leaves in a cache directory,
     once it is ``older_than`` seconds old: ``fsutil.atomic_write`` temp files (``.tmp-*``,
-    anywhere under ``directory``) and piece entries with only one of their two files (the
-    ``.bin`` is written before the ``.json``).  Readers already ignore both (a piece is read
-    through its ``.json``, whose checksum covers the ``.bin``); this only reclaims the space.
-    Returns the paths deleted."""
+    anywhere under ``directory``), and the ``.bin`` / ``.json`` pairs of the two-file piece
+    format of earlier versions (never read now).  Readers ignore both; this only reclaims the
+    space.  Returns the paths deleted."""
     import time
     gone: list[str] = []
     if not directory or not os.path.isdir(directory):
         return gone
     cutoff = time.time() - older_than
     for dirpath, _, files in os.walk(directory):
-        names = set(files)
         in_pieces = os.path.basename(os.path.dirname(dirpath)) == "pieces"
         for f in files:
-            half = in_pieces and ((f.endswith(".bin") and f[:-4] + ".json" not in names)
-                                  or (f.endswith(".json") and f[:-5] + ".bin" not in names))
-            if not (f.startswith(".tmp-") or half):
+            legacy = in_pieces and f.endswith((".bin", ".json"))
+            if not (f.startswith(".tmp-") or legacy):
                 continue
             path = os.path.join(dirpath, f)
             try:

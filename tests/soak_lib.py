@@ -89,23 +89,26 @@ def soak_calls(f, feeds: dict, calls: int, *, warmup: int | None = None, samples
 
 
 def cache_problems(cache_dir: str) -> list[str]:
-    """Entries a reader of ``cache_dir`` would accept that are not whole: a piece whose
-    ``.json`` exists but does not describe its ``.bin`` (size and checksum), or a JSON file
-    (machine figures, checker markers) that does not parse.  Temp files and half entries are
-    not problems here (readers never open them); :func:`stale_files` lists those."""
+    """Files of ``cache_dir`` that are not whole: a piece (``<key>.piece``, written by one
+    rename) whose metadata line does not describe its payload (size and checksum), or a JSON
+    file (machine figures, checker markers) that does not parse.  Temp files and the two-file
+    entries of earlier versions are not problems here (readers never open them);
+    :func:`stale_files` lists those."""
     bad = []
     for dirpath, _, files in os.walk(cache_dir):
-        names = set(files)
+        in_pieces = os.path.basename(os.path.dirname(dirpath)) == "pieces"
         for f in files:
             p = os.path.join(dirpath, f)
-            if f.startswith(".tmp-"):
+            if f.startswith(".tmp-") or (in_pieces and f.endswith((".bin", ".json"))):
                 continue
-            if f.endswith(".json") and os.path.basename(os.path.dirname(dirpath)) == "pieces":
-                if f[:-5] + ".bin" not in names:
-                    continue
-                meta = json.loads(Path(p).read_text())
-                payload = Path(dirpath, f[:-5] + ".bin").read_bytes()
-                if hashlib.sha256(payload).hexdigest() != meta.get("sha256") or len(payload) != meta.get("size"):
+            if f.endswith(".piece"):
+                head, _, payload = Path(p).read_bytes().partition(b"\n")
+                try:
+                    meta = json.loads(head)
+                except ValueError:
+                    meta = None
+                if not isinstance(meta, dict) or hashlib.sha256(payload).hexdigest() != meta.get("sha256") \
+                        or len(payload) != meta.get("size"):
                     bad.append(p)
             elif f.endswith(".json"):
                 try:
@@ -116,14 +119,13 @@ def cache_problems(cache_dir: str) -> list[str]:
 
 
 def stale_files(cache_dir: str) -> list[str]:
-    """Temp files and half piece entries (what a killed writer can leave)."""
+    """Temp files (what a killed writer can leave) and two-file piece entries of earlier
+    versions: what ``cache.sweep_stale`` deletes once they are old."""
     out = []
     for dirpath, _, files in os.walk(cache_dir):
-        names = set(files)
         in_pieces = os.path.basename(os.path.dirname(dirpath)) == "pieces"
         for f in files:
-            if f.startswith(".tmp-") or (in_pieces and f.endswith(".bin") and f[:-4] + ".json" not in names) \
-                    or (in_pieces and f.endswith(".json") and f[:-5] + ".bin" not in names):
+            if f.startswith(".tmp-") or (in_pieces and f.endswith((".bin", ".json"))):
                 out.append(os.path.join(dirpath, f))
     return out
 

@@ -74,9 +74,12 @@ def test_cache_json_that_is_not_an_object_is_a_miss(tmp_path, meta):
     from apollo_py.cache import PieceCache
     c = PieceCache(str(tmp_path))
     c.put("k1", b"payload", {"x": 1})
-    bin_path, json_path = c._paths("k1")
-    with open(json_path, "w") as f:
-        f.write(meta)
+    path = c._path("k1")
+    with open(path, "rb") as f:
+        f.readline()
+        payload = f.read()
+    with open(path, "wb") as f:
+        f.write(meta.encode() + b"\n" + payload)
     fresh = PieceCache(str(tmp_path))
     assert fresh.get("k1") is None
     fresh.put("k1", b"payload2", {"x": 2})

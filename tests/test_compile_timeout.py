@@ -62,10 +62,10 @@ def _assert_cache_clean(root):
     for dirpath, _, files in os.walk(root):
         for f in files:
             assert not f.startswith(".tmp-"), os.path.join(dirpath, f)
-            if f.endswith(".bin"):
-                meta = json.loads(Path(dirpath, f[:-4] + ".json").read_text())
+            if f.endswith(".piece"):
                 import hashlib
-                assert hashlib.sha256(Path(dirpath, f).read_bytes()).hexdigest() == meta["sha256"]
+                head, _, payload = Path(dirpath, f).read_bytes().partition(b"\n")
+                assert hashlib.sha256(payload).hexdigest() == json.loads(head)["sha256"]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, "5", True])

@@ -94,8 +94,9 @@ def test_killed_compiles_leave_nothing_half_written(tmp_path):
     r = killed_compiles(SMALL_ZOO / SMALL, cache, kills=3, seed=1, max_delay=1.0)
     assert r["killed"] + r["finished"] == 3 and r["started"] == 3
     assert r["problems"] == [], r["problems"]
-    # what a kill between a temp file's creation and its rename, or between an entry's two
-    # files, leaves (too short a window to hit reliably by chance): made by hand here
+    # what a kill between a temp file's creation and its rename leaves (too short a window to
+    # hit reliably by chance), and an entry of the two-file format of earlier versions: made
+    # by hand here
     pieces = os.path.join(cache, "pieces", "ab")
     os.makedirs(pieces, exist_ok=True)
     left = [os.path.join(pieces, ".tmp-killed"), os.path.join(pieces, "ab" + "0" * 62 + ".bin"),

@@ -112,8 +112,8 @@ def test_two_processes_compile_into_one_cache_dir(tmp_path):
     w = np.linspace(-0.3, 0.3, 16 * 16, dtype=np.float32).reshape(16, 16)
     for k in range(2):
         _close(np.load(tmp_path / f"y{k}.npy"), _want(x, w)[0])
-    keys = [name[:-4] for _, _, files in os.walk(os.path.join(cache, "pieces")) for name in files
-            if name.endswith(".bin")]
+    keys = [name[:-len(".piece")] for _, _, files in os.walk(os.path.join(cache, "pieces")) for name in files
+            if name.endswith(".piece")]
     stray = [name for _, _, files in os.walk(cache) for name in files
              if name.startswith(".tmp-")]        # fsutil.atomic_write's temporaries
     assert keys and not stray, stray
