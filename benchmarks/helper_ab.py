@@ -38,6 +38,9 @@ def main() -> None:
     ap_.add_argument("models", nargs="*", default=DEFAULT)
     ap_.add_argument("--rounds", type=int, default=9)
     ap_.add_argument("--threads", type=int, default=2)
+    ap_.add_argument("--on", choices=["true", "auto"], default="true",
+                     help='the helper arm\'s HELPER: True (always a helper) or "auto" (only while the '
+                          "cores are free of other processes)")
     args = ap_.parse_args()
     import onnxruntime as ort
 
@@ -52,7 +55,9 @@ def main() -> None:
         f(**feeds)
         exes = [o for o in gc.get_objects() if isinstance(o, CpuExecutable)]
 
-        def arm(on: bool) -> None:
+        on_value = True if args.on == "true" else "auto"
+
+        def arm(on) -> None:
             drive.HELPER = on
             for e in exes:
                 e._program = None
@@ -67,7 +72,7 @@ def main() -> None:
         arm(False)
         off = f(**feeds)
         off = [np.array(r) for r in (off if isinstance(off, (list, tuple)) else [off])]
-        arm(True)
+        arm(on_value)
         on = f(**feeds)
         on = [np.array(r) for r in (on if isinstance(on, (list, tuple)) else [on])]
         same = all(np.array_equal(a, b) for a, b in zip(off, on))
@@ -84,7 +89,7 @@ def main() -> None:
         for _ in range(args.rounds):
             arm(False)
             res["off"].append(timed(lambda: f(**feeds)))
-            arm(True)
+            arm(on_value)
             res["helper"].append(timed(lambda: f(**feeds)))
             res["ort"].append(timed(lambda: sess.run(None, feeds)))
         med = {k: float(np.median(v)) for k, v in res.items()}

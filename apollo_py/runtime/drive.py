@@ -20,20 +20,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cpuload import QuietGate
 from ..errors import InputError
 
 
 #: GEMM / direct-conv steps that run on the calling thread (``CompiledGemm.inline``) share their
 #: chunks with one helper thread (a pool worker running ``codegen.driver``'s ``apollo_help``)
 #: that joins the segment's call: the second core for steps too small for a pool dispatch.
-#: Off by default: on the quiet 2-core box (``benchmarks/helper_ab.py``, load 1.4) it took 0.95x
-#: (MobileNetV3) and 0.96x (EfficientNet-B0) the time without it, on the shared box at load
-#: 16-17 1.03x and 1.04-1.11x (no free core there; a caller waits for chunks of a descheduled
-#: helper).  Generated GEMMs claim their tiles from a counter of their own and run as one call
-#: (GemmStep.claims_tiles), so only direct convs share chunks with it.
-HELPER = False
+#: ``"auto"`` (default): such steps are built for a helper, and each call asks for one only while
+#: other processes leave two cores free (``cpuload.QuietGate``: on 2 cores, at most 0.4 of a core
+#: taken by others over the last 0.25 s); ``True``: always; ``False``: never (one call per step).
+#: Why: on the quiet 2-core box (``benchmarks/helper_ab.py``, 2026-11-25 12:03, load 0.6) the
+#: helper took 0.945x (MobileNetV3-Large) and 0.951x (EfficientNet-B0) the time without it,
+#: 0.99-1.01x on ResNet-50 and RegNetY; on the shared box at load 16-17 1.03x and 1.04-1.11x
+#: (no free core there: a caller waits for chunks of a descheduled helper).  A call without a
+#: helper runs a parallel step as one call, exactly as with ``False``.  Generated GEMMs claim
+#: their tiles from a counter of their own and run as one call (GemmStep.claims_tiles), so only
+#: direct convs share chunks with it.
+HELPER: "bool | str" = "auto"
 #: ... when they do at least this many flops or move this many bytes (GemmStep.work)
 HELPER_MIN_WORK = 1 << 20
+#: judges, for HELPER "auto", whether the cores are free of other processes (one per process)
+_QUIET = QuietGate()
 
 
 @dataclass
@@ -269,7 +277,7 @@ def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out,
             objs[2 * j + 1] = id(a)
     block, block_address = tables.blocks[k]
     if seg.parallel:
-        block[7] = _start_helper(exe._pool, tables) or 0
+        block[7] = (HELPER is True or _QUIET()) and _start_helper(exe._pool, tables) or 0
     exe._driver_fn(block_address)
 
 

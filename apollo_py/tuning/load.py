@@ -14,36 +14,15 @@ import os
 import time
 from dataclasses import dataclass
 
+from ..cpuload import cpu_busy, others_share, own_cpu, usable_cpus
+
 #: the share of the cores' time other processes may take during the rounds before the tuner
 #: refuses to store what it timed (0.25 on 2 cores: half a core busy elsewhere on average)
 MAX_OTHERS_SHARE = 0.25
 
 
-def _cpu_busy() -> float | None:
-    """Seconds of CPU time all cores spent busy since boot (``/proc/stat``), None off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    vals = [int(x) for x in fields[1:]]
-    # user nice system idle iowait irq softirq steal [guest guest_nice: already in user/nice]
-    busy = sum(vals[:8]) - vals[3] - (vals[4] if len(vals) > 4 else 0)
-    return busy / float(os.sysconf("SC_CLK_TCK"))
-
-
-def _own() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+# the sampling itself lives below the layers (the runtime's driver uses it too)
+_cpu_busy, _own = cpu_busy, own_cpu
 
 
 def loadavg() -> float | None:
@@ -70,12 +49,7 @@ class LoadWindow:
         wall = time.perf_counter() - self.wall
         cpus = usable_cpus()
         own = _own() - self.own
-        busy = _cpu_busy()
-        share = None
-        if busy is not None and self.busy is not None and wall > 0:
-            # /proc/stat counts every core of the machine; the process may be pinned to fewer
-            total = os.cpu_count() or cpus
-            share = max(0.0, (busy - self.busy - own) / (wall * total))
+        share = others_share(self.busy, self.own, wall)
         end = loadavg()
         if share is None and end is not None and wall > 0:
             share = max(0.0, end - own / wall) / cpus

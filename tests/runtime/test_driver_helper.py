@@ -121,3 +121,42 @@ def test_concurrent_calls_share_one_worker(monkeypatch):
     for t in ts:
         t.join(60)
     assert not errors and not any(t.is_alive() for t in ts)
+
+
+def test_auto_asks_for_a_helper_only_while_the_cores_are_free(monkeypatch):
+    """HELPER "auto": the program has parallel steps; a call asks for a helper only when the
+    quiet gate says so, and runs each parallel step as one call otherwise (same numbers)."""
+    m, x, f = _model("28x28")
+    exe = f.specialization({"x": x.shape})
+    want = f(x=x).copy()
+    monkeypatch.setattr(drive, "HELPER", "auto")
+    _rebuild(exe)
+    asked = []
+    monkeypatch.setattr(drive, "_start_helper", lambda pool, tables: asked.append(1) or None)
+    monkeypatch.setattr(drive, "_QUIET", lambda: False)
+    np.testing.assert_array_equal(f(x=x), want)
+    assert any(s.parallel for s in exe._program.segments) and not asked
+    monkeypatch.setattr(drive, "_QUIET", lambda: True)
+    np.testing.assert_array_equal(f(x=x), want)
+    assert asked
+
+
+def test_quiet_gate_sees_another_process_spin():
+    """A process that is not this one (a grandchild spinning 1.5 s) makes the gate say "busy"
+    at its next judgement (on a 2-core machine: one core of two taken)."""
+    import subprocess
+    import sys
+    import time
+    from apollo_py.cpuload import QuietGate, cpu_busy
+    if cpu_busy() is None:
+        pytest.skip("no /proc/stat")
+    import os
+    cores = os.cpu_count() or 1
+    gate = QuietGate(period=0.3, slack=0.4 - (cores - 2))    # others may take 0.4 of a core
+    subprocess.run(["sh", "-c", f"{sys.executable} -c 'import time; t = time.time()\n"
+                                "while time.time() - t < 1.5: pass' >/dev/null 2>&1 &"], check=True)
+    time.sleep(0.8)
+    assert gate() is False
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.01:     # no judgement before `period` has passed
+        assert gate() is False
