@@ -57,8 +57,9 @@ def test_corrupt_entry_is_recompiled(tmp_path, monkeypatch):
     opts = ap.Options(target="cpu", cache_dir=str(tmp_path))
     _new_process(monkeypatch)
     ap.jit(_graph(72), options=opts)(x)
-    for p in (tmp_path / "pieces").rglob("*.bin"):
-        p.write_bytes(b"not an object file")
+    for p in (tmp_path / "pieces").rglob("*.piece"):
+        head = p.read_bytes().split(b"\n", 1)[0]
+        p.write_bytes(head + b"\nnot an object file")     # the payload no longer matches its checksum
     _new_process(monkeypatch)
     f = ap.jit(_graph(72), options=opts)
     np.testing.assert_allclose(f(x), _want(x), rtol=1e-6, atol=1e-7)

@@ -13,7 +13,7 @@ def test_shipped_pieces_make_a_cold_cache_compile_a_hit(tmp_path):
     a = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     want = ap.jit(g, options=ap.Options(cache_dir=str(src)))(a)
     files = pack(str(src))
-    assert any(k.startswith("pieces/") and k.endswith(".bin") for k in files)
+    assert any(k.startswith("pieces/") and k.endswith(".piece") for k in files)
     (dst / "machine.json").parent.mkdir(parents=True)
     (dst / "machine.json").write_text("{}")   # this node's own file is kept
     files_evil = dict(files, **{"../outside.bin": b"x"})
@@ -24,6 +24,6 @@ def test_shipped_pieces_make_a_cold_cache_compile_a_hit(tmp_path):
     assert unpack(files, str(dst)) == 0          # already there: nothing rewritten
     from apollo_py.cache import PieceCache
     cache = PieceCache(str(dst))
-    keys = [k.rsplit("/", 1)[1][:-4] for k in files if k.endswith(".bin")]
+    keys = [k.rsplit("/", 1)[1][:-len(".piece")] for k in files if k.endswith(".piece")]
     assert all(cache.get(k) is not None for k in keys)   # checksums hold after the trip
     np.testing.assert_allclose(ap.jit(g, options=ap.Options(cache_dir=str(dst)))(a), want, rtol=1e-6)
