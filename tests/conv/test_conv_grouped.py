@@ -113,3 +113,31 @@ def test_grouped_kernel_choice_regnety_shapes():
                      ((1, 48, 56, 56), 48, 1)):
         d = replace(_desc(xs, (c, 24, 3, 3), (s, s), (1, 1, 1, 1), (1, 1), c // 24), a_const=True)
         assert CR.rows_reason(d) and not cvec_reason(d), xs
+
+
+# name -> (x shape, w shape, strides, group, activation, the kernel the default policy picks)
+DEFAULT_FORMS = {
+    # 4 channels a group in and out (16 < 64 multiply-adds per tap pair): the direct kernel
+    "g4_direct": ((1, 32, 12, 12), (32, 4, 3, 3), (1, 1), 8, "Relu", "direct conv"),
+    # 64 channels a group on a 7x7 plane: 4 full channel vectors beat the row kernel's 49 of 64
+    # grid columns (codegen/conv_cvec.py)
+    "g64_7x7_cvec": ((1, 256, 7, 7), (256, 64, 3, 3), (1, 1), 4, "Relu", "channel-vector conv"),
+    # RegNetY's stage-2 form, small: 24-channel groups at 28x28 -> 14x14, stride 2
+    "g24_s2_rows": ((1, 96, 28, 28), (96, 24, 3, 3), (2, 2), 4, "Relu", "row-reading conv"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEFAULT_FORMS))
+def test_grouped_conv_default_kernel_matches_onnxruntime(case, monkeypatch):
+    """Each grouped form on the kernel the default policy gives it (only the implicit-GEMM size
+    threshold lifted, so that the small row-reading case is not run as an inline implicit GEMM)."""
+    from apollo_py.codegen import gemm
+    monkeypatch.setattr(gemm, "SMALL_CONV_FLOPS", 0)
+    xs, ws, st, g, act, kind = DEFAULT_FORMS[case]
+    m = conv_model(xs, ws, strides=st, pads=(1, 1, 1, 1), group=g, act=act, bn=True)
+    x = np.random.default_rng(7).standard_normal(xs).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    want = ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    convs = [k for k in f.plan.kernels if "conv" in k.reason]
+    assert len(convs) == 1 and kind in convs[0].reason, str(f.plan)
