@@ -198,7 +198,11 @@ def rows_layout(d, bl, threads: int) -> RowsLayout:
 def _pad_kernel(d, r: RowsGeom) -> L.Kernel:
     """``xpad`` (``[N*C][sh*sw][QH][Q]``) from the NCHW input, parallel over channel planes;
     per sub-plane the rows and columns inside the image are constant ranges, so every row is a
-    zero run, a copy (stride ``sw``) and a zero run."""
+    zero run, a copy (stride ``sw``) and a zero run.  The sub-planes ``(pr, pc)`` of one padded
+    row ``pr`` are written by one loop over their common interior columns: its ``sw`` strided
+    loads are one interleave group, which LLVM vectorises as contiguous loads and shuffles
+    (one loop per sub-plane made each a gather or scalar loads: the stride-2 copy of RegNetY's
+    336-channel 28x28 input took 64-75 us against 29 us this way, one thread)."""
     g = d.conv
     ph, pw = g.pads
     xp = L.Param("xpad", "float32", g.n * g.c * r.ch)
@@ -207,22 +211,34 @@ def _pad_kernel(d, r: RowsGeom) -> L.Kernel:
     zero = L.Const(0.0, "float32")
     t = V("t")
     parts = []
-    for sub, (pr, pc) in enumerate(r.phases):
+    for pr in sorted({pr for pr, _ in r.phases}):
+        subs = [(sub, pc) for sub, (p, pc) in enumerate(r.phases) if p == pr]
         rlo = max(0, ceil((ph - pr) / r.sh))
         rhi = max(rlo, min(r.qh, ceil((g.h + ph - pr) / r.sh)))
-        clo = max(0, min(r.q, ceil((pw - pc) / r.sw)))
-        chi = max(clo, min(r.q, ceil((g.w + pw - pc) / r.sw)))
-        base = t * r.ch + sub * r.qh * r.q
-        rowd = base + V("rr") * r.q
-        src = t * (g.h * g.w) + (V("rr") * r.sh + (pr - ph)) * g.w + (pc - pw)
-        parts += [
-            L.for_("rr", 0, rlo, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector")),
-            L.for_("rr", rlo, rhi, L.block(
-                L.for_("cc", 0, clo, L.Store(xp, rowd + V("cc"), zero), "vector"),
-                L.for_("cc", clo, chi, L.Store(xp, rowd + V("cc"),
-                                               L.Load(x, src + V("cc") * r.sw)), "vector"),
-                L.for_("cc", chi, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))),
-            L.for_("rr", rhi, r.qh, L.for_("cc", 0, r.q, L.Store(xp, rowd + V("cc"), zero), "vector"))]
+        cols = {sub: (max(0, min(r.q, ceil((pw - pc) / r.sw))), 0) for sub, pc in subs}
+        cols = {sub: (lo, max(lo, min(r.q, ceil((g.w + pw - pc) / r.sw)))) for (sub, pc), (lo, _) in
+                zip(subs, cols.values())}
+        lo, hi = max(c[0] for c in cols.values()), min(c[1] for c in cols.values())
+        src = t * (g.h * g.w) + (V("rr") * r.sh + (pr - ph)) * g.w
+
+        def dst(sub):
+            return t * r.ch + sub * r.qh * r.q + V("rr") * r.q + V("cc")
+
+        def copy(sub, pc):
+            return L.Store(xp, dst(sub), L.Load(x, src + V("cc") * r.sw + (pc - pw)))
+        inner = []
+        for sub, pc in subs:
+            clo, chi = cols[sub]
+            # the columns of this sub-plane outside the common range [lo, hi)
+            e0, e1 = (min(max(lo, clo), chi), max(min(hi, chi), clo)) if hi > lo else (chi, chi)
+            inner += [L.for_("cc", 0, clo, L.Store(xp, dst(sub), zero), "vector"),
+                      L.for_("cc", clo, e0, copy(sub, pc), "vector"),
+                      L.for_("cc", e1, chi, copy(sub, pc), "vector"),
+                      L.for_("cc", chi, r.q, L.Store(xp, dst(sub), zero), "vector")]
+        if hi > lo:
+            inner.append(L.for_("cc", lo, hi, L.block(*(copy(sub, pc) for sub, pc in subs)), "vector"))
+        zrow = L.block(*(L.for_("cc", 0, r.q, L.Store(xp, dst(sub), zero), "vector") for sub, _ in subs))
+        parts += [L.for_("rr", 0, rlo, zrow), L.for_("rr", rlo, rhi, L.block(*inner)), L.for_("rr", rhi, r.qh, zrow)]
     loops = L.for_("t", 0, g.n * g.c, L.block(*parts), "parallel")
     return L.Kernel(f"{d.name}_pad", (xp, x), loops, "t", g.n * g.c)
 
