@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cpuload import QuietGate
 from ..errors import InputError
+from .threadpool import QUIET
 
 
 #: GEMM / direct-conv steps that run on the calling thread (``CompiledGemm.inline``) share their
@@ -40,8 +40,8 @@ from ..errors import InputError
 HELPER: "bool | str" = "auto"
 #: ... when they do at least this many flops or move this many bytes (GemmStep.work)
 HELPER_MIN_WORK = 1 << 20
-#: judges, for HELPER "auto", whether the cores are free of other processes (one per process)
-_QUIET = QuietGate()
+#: judges, for HELPER "auto", whether the cores are free of other processes (the pool's gate)
+_QUIET = QUIET
 
 
 @dataclass
@@ -296,7 +296,7 @@ def _start_helper(pool, tables: DriverTables):
     sync[7] = sync[8] = 0
     sync[SYNC_WORDS - 1] = sched_yield_address()
     sync[6] = 0
-    pool._queue.put(_Job([(help_function(), sync, 0, 0)]))
+    pool._post(_Job([(help_function(), sync, 0, 0)]))
     return tables.sync_address
 
 

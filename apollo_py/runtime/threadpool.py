@@ -2,7 +2,9 @@
 
 Kernels follow the CPU ABI ``void f(void **args, int64 lo, int64 hi)``; ctypes releases the
 GIL for the duration of each call, so plain Python threads run chunks truly in parallel.
-Workers are started once and wait on a queue; each :meth:`ThreadPool.run` splits
+Workers are started once and wait on a queue -- first spinning for up to :data:`SPIN_US` in
+native code while the cores are free of other processes (a worker blocked on the queue takes
+0.1-0.3 ms to start on an idle VM); each :meth:`ThreadPool.run` splits
 ``[0, extent)`` into contiguous chunks (a few per thread), wakes up to ``num_threads - 1``
 workers and works on the chunks itself too; chunks are claimed dynamically, so a worker
 slowed down by other load takes fewer of them.  Several Python threads may call ``run`` at once: each
@@ -11,13 +13,24 @@ call has its own job object, and a caller always makes progress on its own job.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Optional
 
+from apollo_py.cpuload import QuietGate
 from apollo_py.errors import CompileError
+
+#: microseconds a worker that finds no job spins for one (``codegen.driver.spin_ir``: native,
+#: GIL released) before it blocks on the queue; only while :data:`QUIET` says other processes
+#: leave two cores free (on a busy machine the spin would take a core from them).  0: never.
+SPIN_US = 500.0
+#: whether the cores are free of other processes (shared with runtime/drive.py's helper thread)
+QUIET = QuietGate()
+_cycles_per_us: list = []      # the cycle counter's rate, measured by the first worker that spins
 
 
 class _Job:
@@ -89,6 +102,9 @@ class ThreadPool:
         self.num_threads = n
         self.chunks_per_thread = int(chunks_per_thread)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        # bumped after every put: a spinning worker (``_wait_spinning``) watches it
+        self._posted = (ctypes.c_int64 * 1)()
+        self._posted_address = ctypes.addressof(self._posted)
         self._workers = []
         self._closed = False
         for i in range(n - 1):
@@ -97,12 +113,40 @@ class ThreadPool:
             self._workers.append(t)
         _LIVE.add(self)
 
+    def _post(self, item) -> None:
+        """Queue ``item`` (a job, a lent call, or None: stop) for one worker."""
+        self._queue.put(item)
+        self._posted[0] += 1
+
     def _worker(self) -> None:
         while True:
-            job = self._queue.get()
+            seen = self._posted[0]
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                job = self._wait_spinning(seen)
             if job is None:
                 return
             job.work()
+
+    def _wait_spinning(self, seen: int):
+        """The next queue item: spin (natively) until a post or :data:`SPIN_US` has passed, while
+        the cores are free, then block on the queue."""
+        if SPIN_US > 0 and QUIET():
+            from ..codegen.driver import spin_functions
+            fns = spin_functions()
+            if fns is not None:
+                spin, cycles = fns
+                if not _cycles_per_us:
+                    c0, t0 = cycles(), time.perf_counter()
+                    time.sleep(0.002)
+                    _cycles_per_us.append(max(1.0, (cycles() - c0) / ((time.perf_counter() - t0) * 1e6)))
+                if spin(self._posted_address, seen, int(SPIN_US * _cycles_per_us[0])):
+                    try:
+                        return self._queue.get_nowait()
+                    except queue.Empty:
+                        pass
+        return self._queue.get()
 
     @staticmethod
     def split(extent: int, parts: int) -> list:
@@ -174,7 +218,7 @@ class ThreadPool:
             return
         lent = _Lent(cfunc, ptrs, lo, hi, keep)
         for _ in range(self.num_threads - 1):
-            self._queue.put(lent)
+            self._post(lent)
 
     def _dispatch(self, chunks) -> None:
         job = _Job(chunks)
@@ -182,7 +226,7 @@ class ThreadPool:
         # the caller runs every chunk itself.  A job queued after the workers left is harmless
         # too: the caller claims all of its chunks.
         for _ in range(0 if self._closed else min(len(chunks), self.num_threads) - 1):
-            self._queue.put(job)
+            self._post(job)
         job.work()
         job.done.wait()
         if job.error is not None:
@@ -195,7 +239,7 @@ class ThreadPool:
             return
         self._closed = True
         for _ in self._workers:
-            self._queue.put(None)
+            self._post(None)
         for t in self._workers:
             t.join(timeout)
 
