@@ -108,3 +108,29 @@ def test_split_all_reduce_is_parallel_and_reproducible(rng):
         results.append(res[0])
     assert results[0] == results[1] == results[2]
     np.testing.assert_allclose(results[0], data.astype(np.float64).sum(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("spin", [False, True])
+def test_spinning_workers_take_jobs_and_stop(softmax, rng, monkeypatch, spin):
+    """Workers that spin for their next job (``SPIN_US``, gated by ``QUIET``) run every job a
+    caller posts right after the last one, and a pool closed while they spin stops."""
+    import time
+    from apollo_py.runtime import threadpool as TP
+    monkeypatch.setattr(TP, "QUIET", lambda: spin)
+    monkeypatch.setattr(TP, "SPIN_US", 200_000.0)     # long enough that they are spinning below
+    x = (rng.standard_normal(301 * 128) * 4).astype(np.float32)
+    ref = np.empty_like(x)
+    softmax([x, ref])
+    pool = ThreadPool(3, chunks_per_thread=2)
+    seen = set()
+    for _ in range(20):
+        out = np.empty_like(x)
+        pool.run(softmax, [x, out])
+        np.testing.assert_array_equal(out, ref)
+    lent = threading.Event()
+    pool.lend(lambda *a: (seen.add(threading.current_thread().name), lent.set()), None, 0, 1)
+    assert lent.wait(10) and seen and all(n.startswith("apollo-pool-") for n in seen)
+    t = time.perf_counter()
+    pool.close(timeout=10)
+    assert not any(w.is_alive() for w in pool._workers)
+    assert time.perf_counter() - t < 5
