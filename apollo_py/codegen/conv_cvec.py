@@ -52,6 +52,10 @@ def _registers(vl: int) -> int:
 PAD_INLINE_BYTES = 1 << 20
 
 
+#: see CvecBlocking.prefetch
+PREFETCH_BYTES = 4096
+
+
 @dataclass(frozen=True)
 class CvecBlocking:
     """Every size the kernel's speed depends on (a tuner may pick them): ``vl`` floats per
@@ -66,6 +70,9 @@ class CvecBlocking:
     cb: int
     kc: int = 256
     tiles_per_thread: int = 4
+    #: software prefetch of the weight panel this many bytes ahead, by the first pixel tile of
+    #: each band (the one that reads it from memory; the others find it in cache); 0: none
+    prefetch: int = PREFETCH_BYTES
 
     @property
     def nr(self) -> int:
@@ -171,7 +178,7 @@ def cvec_blocking(g, m: int, vl: int = 16) -> CvecBlocking:
     mr = min((_registers(vl) - nv - 2) // nv, MAX_TILE_PIXELS)
     cb = -(-g.ow // -(-g.ow // mr))
     rb = max(1, min(g.oh, mr // cb))
-    return CvecBlocking(vl, nv, rb, cb)
+    return CvecBlocking(vl, nv, rb, cb, prefetch=PREFETCH_BYTES)
 
 
 def cvec_layout(d, bl: CvecBlocking, threads: int) -> CvecLayout:
@@ -235,7 +242,7 @@ def _pixel_tiles(g, bl: CvecBlocking, r0: int, r1: int) -> list:
     return out
 
 
-def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int) -> str:
+def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int, pf: bool = False) -> str:
     """``@cvec.m<rows>x<cols>(a, b, tab, c, kc, first)``: for the ``rows x cols`` pixels at
     ``b + dr * sh * pw + dc * sw`` and the ``NR`` channels of the packed panel ``a[k][NR]``,
     ``C[pixel][NR] (= 0 if first) += sum_{k < kc} b[tab[k] + disp] * a[k]``; pixel ``(dr, dc)``
@@ -244,7 +251,7 @@ def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int) -
     nr, nv = bl.nr, bl.nv
     pix = [(dr, dc) for dr in range(rows) for dc in range(cols)]
     accs = [(p, v) for p in range(len(pix)) for v in range(nv)]
-    s = [f"define internal void @cvec.m{rows}x{cols}(ptr noalias nocapture readonly %a, "
+    s = [f"define internal void @cvec.m{rows}x{cols}{'p' if pf else ''}(ptr noalias nocapture readonly %a, "
          "ptr noalias nocapture readonly %b, ptr noalias nocapture readonly %tab, ptr noalias nocapture %c, "
          "i64 %kc, i1 %first) #1 {", "entry:", "  br label %loop", "loop:",
          "  %k = phi i64 [0, %entry], [%k1, %loop]"]
@@ -252,6 +259,11 @@ def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int) -
         s.append(f"  %acc{p}_{v} = phi {vt} [zeroinitializer, %entry], [%n{p}_{v}, %loop]")
     s += ["  %tp = getelementptr inbounds i64, ptr %tab, i64 %k", "  %to = load i64, ptr %tp, align 8",
           "  %bp = getelementptr inbounds float, ptr %b, i64 %to", f"  %ao = mul nuw nsw i64 %k, {nr}"]
+    if pf:      # the panel is contiguous over all of K (and the next panel follows it)
+        for ln in range(max(1, nr * 4 // 64)):
+            s += [f"  %pfo{ln} = add nuw nsw i64 %ao, {bl.prefetch // 4 + 16 * ln}",
+                  f"  %pfp{ln} = getelementptr float, ptr %a, i64 %pfo{ln}",
+                  f"  call void @llvm.prefetch.p0(ptr %pfp{ln}, i32 0, i32 3, i32 1)"]
     for v in range(nv):
         s += [f"  %ai{v} = add nuw nsw i64 %ao, {v * bl.vl}",
               f"  %ap{v} = getelementptr inbounds float, ptr %a, i64 %ai{v}",
@@ -280,7 +292,7 @@ def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int) -
     return "\n".join(s)
 
 
-def _band_ir(i: int, tiles: list, geom: CvecGeom, ow: int, nr: int, r0: int) -> str:
+def _band_ir(i: int, tiles: list, geom: CvecGeom, ow: int, nr: int, r0: int, pf: bool = False) -> str:
     """``@cvec.band<i>(a, b, tab, c, kc, first)``: the micro-kernel of every pixel tile of band
     ``i`` (its first output row ``r0``), C rows relative to the band's first pixel."""
     s = [f"define internal void @cvec.band{i}(ptr %a, ptr %b, ptr %tab, ptr %c, i64 %kc, i1 %first) #1 {{",
@@ -288,7 +300,8 @@ def _band_ir(i: int, tiles: list, geom: CvecGeom, ow: int, nr: int, r0: int) -> 
     for n, (oh, owo, rows, cols) in enumerate(tiles):
         s += [f"  %b{n} = getelementptr inbounds float, ptr %b, i64 {oh * geom.sh * geom.pw + owo * geom.sw}",
               f"  %c{n} = getelementptr inbounds float, ptr %c, i64 {((oh - r0) * ow + owo) * nr}",
-              f"  call void @cvec.m{rows}x{cols}(ptr %a, ptr %b{n}, ptr %tab, ptr %c{n}, i64 %kc, i1 %first)"]
+              f"  call void @cvec.m{rows}x{cols}{'p' if pf and n == 0 else ''}(ptr %a, ptr %b{n}, ptr %tab, "
+              f"ptr %c{n}, i64 %kc, i1 %first)"]
     s += ["  ret void", "}"]
     return "\n".join(s)
 
@@ -410,16 +423,18 @@ def _main_ir(d, bl: CvecBlocking, lay: CvecLayout, geom: CvecGeom, epi: str) -> 
             f"@cvec.bands = private unnamed_addr constant [{nb} x ptr] ["
             + ", ".join(f"ptr @cvec.band{i}" for i in range(nb)) + "]",
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
-            "declare i64 @llvm.smin.i64(i64, i64)", *x86_decls(),
+            "declare i64 @llvm.smin.i64(i64, i64)", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
+            *x86_decls(),
             f"declare <{vl} x float> @llvm.fma.v{vl}f32(<{vl} x float>, <{vl} x float>, <{vl} x float>)",
             f"declare void @{epi}(ptr, i64, i64)"]
     micro, bands = {}, []
     for i, (r0, r1) in enumerate(lay.bands):
         tiles = _pixel_tiles(g, bl, r0, r1)
-        for _, _, rows, cols in tiles:
-            if (rows, cols) not in micro:
-                micro[rows, cols] = _micro_ir(bl, rows, cols, geom, g.ow)
-        bands.append(_band_ir(i, tiles, geom, g.ow, nr, r0))
+        for n, (_, _, rows, cols) in enumerate(tiles):
+            pf = bool(bl.prefetch) and n == 0
+            if (rows, cols, pf) not in micro:
+                micro[rows, cols, pf] = _micro_ir(bl, rows, cols, geom, g.ow, pf)
+        bands.append(_band_ir(i, tiles, geom, g.ow, nr, r0, bool(bl.prefetch)))
     return "\n".join([*head, *micro.values(), *bands, _transpose_ir(vl, nr, lay.ps), "\n".join(s)])
 
 

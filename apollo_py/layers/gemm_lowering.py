@@ -258,7 +258,10 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
     else:
         desc = matmul_desc(name, types[x].shape, types[w].shape, shape, head.outputs[0], a_value=x, b_value=w,
                            b_const=w in consts, **epi)
-        what = ("generated GEMM (Options.gemm='generated')" if options.gemm == "generated"
+        from ..codegen.gemv import gemv_reason
+        gemv = gemv_reason(desc, options.target)
+        what = (f"matrix-vector product (generated; {gemv})" if gemv
+                else "generated GEMM (Options.gemm='generated')" if options.gemm == "generated"
                 else f"generated GEMM ({auto_choice(desc)})")
     fused_ops = "+".join(n.op for n in fused) or "none"
     reason = f"{what}; batch {desc.batch}, {desc.m}x{desc.n}x{desc.k}; epilogue {fused_ops}"

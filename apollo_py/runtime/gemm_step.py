@@ -65,6 +65,7 @@ class GemmStep:
             nthreads = int(threads or os.cpu_count() or 1)
             from ..codegen.conv_cvec import compile_conv_cvec, cvec_reason
             from ..codegen.conv_rows import compile_conv_rows, rows_blocking, rows_reason
+            from ..codegen.gemv import compile_gemv, gemv_reason
             if d.conv is not None and d.a_const and cvec_reason(d):
                 cg = compile_conv_cvec(d, nthreads, cache_dir=cache_dir)    # not tuned (yet)
             elif d.conv is not None and d.a_const and rows_reason(d):
@@ -76,6 +77,8 @@ class GemmStep:
                     if bl is None:
                         raise
                     cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)    # a decision it cannot take
+            elif d.conv is None and gemv_reason(d):
+                cg = compile_gemv(d, nthreads, cache_dir=cache_dir)     # not tuned (yet)
             else:
                 bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
                 cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)

@@ -162,3 +162,34 @@ def test_channel_padding_policy():
     assert reason((1, 336, 14, 14), (336, 24, 3, 3), 14) == ""
     assert reason((1, 888, 7, 7), (888, 24, 3, 3), 37) == ""
     assert "100% of FMAs useful (row kernel 76%)" in reason((1, 2048, 7, 7), (512, 2048, 1, 1), 1, (0, 0, 0, 0))
+
+
+def test_weight_prefetch_in_the_first_pixel_tile_of_each_band():
+    """The first pixel tile of a band (the one that reads the weight panel from memory) runs a
+    micro-kernel that prefetches the panel ``prefetch`` bytes ahead; the others, and every tile
+    with ``prefetch`` 0, do not.  Results are the same either way (a hint, no data change)."""
+    from dataclasses import replace
+
+    from apollo_py.codegen.gemm import conv_desc
+    d = conv_desc("gemm_c", (1, 96, 7, 7), (64, 96, 1, 1), (1, 64, 7, 7),
+                  dict(group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1)), "y")
+    d = replace(d, a_const=True)
+    bl = CV.cvec_blocking(d.conv, d.m)
+    assert bl.prefetch == CV.PREFETCH_BYTES > 0
+    lay = CV.cvec_layout(d, bl, 1)
+    geom = CV.cvec_geom(d.conv)
+    ir = CV._main_ir(d, bl, lay, geom, "epi")
+    assert ir.count("define internal void @cvec.m2x7p(") == 1 and ir.count("define internal void @cvec.m2x7(") == 1
+    assert f"i64 %ao, {bl.prefetch // 4}" in ir and "@llvm.prefetch.p0" in ir
+    band = ir[ir.index("define internal void @cvec.band0"):]
+    band = band[:band.index("}")]
+    assert band.count("@cvec.m2x7p(") == 1 and band.count("@cvec.m2x7(") + band.count("@cvec.m1x7(") == 3
+    off = CV._main_ir(d, replace(bl, prefetch=0), lay, geom, "epi")
+    assert "llvm.prefetch" not in off.replace("declare void @llvm.prefetch.p0", "")
+
+    m = conv_model((1, 96, 7, 7), (64, 96, 1, 1), act="Relu")
+    x = np.random.default_rng(9).standard_normal((1, 96, 7, 7)).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    assert "channel-vector conv" in str(f.plan)
+    want = ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
