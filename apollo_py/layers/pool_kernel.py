@@ -125,7 +125,7 @@ def pool_kernel(nodes, types, inputs, outputs, consts, kname):
     pad = L.Alloc("xpad", f32, ps * plane)
     ih = V("r") - ph
     dst = V("r") * qc
-    fills, edges, lo_all, hi_all, ranges, vals = [], [], 0, None, [], []
+    fills, lo_all, hi_all, ranges, vals = [], 0, None, [], []
     for pc in range(ps):
         # padded column cc * ps + pc; inside the image for lz <= cc < mid_hi
         iw = V("cc") * ps + (pc - pw)
