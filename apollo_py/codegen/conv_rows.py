@@ -34,6 +34,7 @@ constant weight (docs/design/conv.md).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from math import ceil
@@ -571,8 +572,8 @@ class CompiledConvRows:
                 side = np.zeros((d.batch, d.k, bl.nr), np.float32)
                 side[:, :, :self.tail] = x.reshape(d.batch, d.k, hw)[:, :, hw - self.tail:]
         else:
-            xp = np.empty(self.pad_size + self.slack, np.float32)
-            xp[self.pad_size:] = 0.0
+            xp = pad_buffer(self.pad_size + self.slack)
+            xp[self.pad_size:] = 0.0    # the pad kernel writes the rest
         arrays = [apk, xp, side, x, *operands, *outputs, np.zeros(4, np.int64)]   # the counter
         if pool is None or pool.num_threads == 1:
             self.main(arrays)
@@ -582,6 +583,30 @@ class CompiledConvRows:
         ptrs = self.main.pack_args(arrays)
         pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
         self.main.cfunc(ptrs, 0, 1)
+
+
+#: the padded copies are made in one buffer per calling thread, reused by every row-reading
+#: conv the thread runs (:func:`pad_buffer`); False: a fresh array per call (A/B measurements)
+REUSE_PAD = True
+_LOCAL = threading.local()
+
+
+def pad_buffer(size: int) -> np.ndarray:
+    """A float32 buffer of ``size`` elements (64-byte aligned, contents undefined) for a conv's
+    padded copy: the calling thread's own, grown when a conv needs more, so that a model's convs
+    reuse memory that is mapped and recently touched.  A fresh array per call (``np.empty`` of
+    2-4 MB) came from ``mmap`` whenever glibc's dynamic threshold had not risen to it: U-Net's
+    11 row-reading convs took 100-600 minor page faults per model call, all in these copies.
+    One buffer per thread is safe: the caller's call returns only when every tile is finished,
+    and a pool helper that joins later touches only its call's counter."""
+    if not REUSE_PAD:
+        return np.empty(size, np.float32)
+    buf = getattr(_LOCAL, "pad", None)
+    if buf is None or buf.size < size:
+        raw = np.empty(size + 16, np.float32)
+        skip = (-raw.ctypes.data % 64) // 4
+        buf = _LOCAL.pad = raw[skip:skip + size]
+    return buf[:size]
 
 
 @lru_cache(maxsize=None)

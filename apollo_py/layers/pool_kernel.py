@@ -23,6 +23,10 @@ from __future__ import annotations
 from ..codegen import loopir as L
 
 SCRATCH_BYTES = 256 * 1024     # one padded plane on the calling thread's stack
+#: a window with a column stride ``sw > 1`` keeps the padded plane as ``sw`` column phases
+#: (column ``c`` at phase ``c % sw``, position ``c // sw``), so that every tap's vector load over
+#: output columns is unit-stride (docs/design/conv.md, "Pooling kernel")
+PHASE_SPLIT = True
 
 
 def _lift(shape: tuple, nsp: int) -> tuple:
@@ -82,14 +86,15 @@ def pool_kernel(nodes, types, inputs, outputs, consts, kname):
     dh, dw = (1, a["dilations"][0]) if nsp == 1 else tuple(a["dilations"])
     ph, pw = (0, a["pads"][0]) if nsp == 1 else (a["pads"][0], a["pads"][1])
     prow, pcol = (oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1
-    if min(n, c, h, w, oh, ow) <= 0 or prow * pcol * 4 > SCRATCH_BYTES:
+    if min(n, c, h, w, oh, ow) <= 0 or prow * (pcol + sw - 1) * 4 > SCRATCH_BYTES:
         return None
     params = [v for v in list(inputs) + list(outputs) if v not in consts]
     if any(v not in types for v in params):
         return None
     from ..poly.ast_to_loopir import _ident
     # param names from the values (plans and tests read them), never a local's name
-    taken = {"xpad", "t", "r", "cc", "oh", "ow", "acc", *(f"{p}{q}" for p in "xy" for q in range(len(nodes)))}
+    taken = {"xpad", "t", "r", "cc", "oh", "ow", "acc", *(f"{p}{q}" for p in "xy" for q in range(len(nodes))),
+             *(f"x{c}_{q}" for c in range(max(1, a["strides"][-1])) for q in range(len(nodes)))}
     bufs = {v: L.Param(_ident(v, taken), types[v].dtype, max(1, types[v].size)) for v in params}
     f32 = "float32"
     V = L.Var
@@ -113,23 +118,43 @@ def pool_kernel(nodes, types, inputs, outputs, consts, kname):
         return stmts, env
 
     t = V("t")
-    pad = L.Alloc("xpad", f32, prow * pcol)
-    # prologue at input element (plane t, row ih, column iw): the window input's value
-    ih, iw = V("r") - ph, V("cc") - pw
-    pro, penv = chain(pre, xs, t, ih * w + iw, {}, "x")
-    if pre:
-        xval = penv[wr.inputs[0]]
-    else:               # no prologue: the window input is a param, read directly
-        xval = L.Load(bufs[wr.inputs[0]], _operand_index(EpiOperand(wr.inputs[0], f32, xs), xs, 2, t, ih * w + iw))
-    lz, mid_hi = min(pw, pcol), max(min(pw, pcol), min(pw + w, pcol))
-    dst = V("r") * pcol
-    row_fill = L.for_("cc", 0, pcol, L.Store(pad, dst + V("cc"), ident), "vector")
-    row_copy = L.block(
-        L.for_("cc", 0, lz, L.Store(pad, dst + V("cc"), ident), "vector"),
-        L.for_("cc", lz, mid_hi, L.block(*pro, L.Store(pad, dst + V("cc"), xval)), "vector"),
-        L.for_("cc", mid_hi, pcol, L.Store(pad, dst + V("cc"), ident), "vector"))
-    copy = L.for_("r", 0, prow, L.If(L.land(L.ge(ih, 0), L.lt(ih, h)), row_copy, row_fill))
-    taps = [L.Load(pad, (V("oh") * sh + i * dh) * pcol + V("ow") * sw + j * dw) for i in range(kh) for j in range(kw)]
+    # column phases of the scratch: a strided window's taps read one phase at unit stride
+    ps = sw if PHASE_SPLIT and sw > 1 else 1
+    qc = -(-pcol // ps)                 # scratch columns per phase row
+    plane = prow * qc
+    pad = L.Alloc("xpad", f32, ps * plane)
+    ih = V("r") - ph
+    dst = V("r") * qc
+    fills, lo_all, hi_all, ranges, vals = [], 0, None, [], []
+    for pc in range(ps):
+        # padded column cc * ps + pc; inside the image for lz <= cc < mid_hi
+        iw = V("cc") * ps + (pc - pw)
+        pro, penv = chain(pre, xs, t, ih * w + iw, {}, f"x{pc}_" if ps > 1 else "x")
+        if pre:
+            xval = penv[wr.inputs[0]]
+        else:           # no prologue: the window input is a param, read directly
+            xval = L.Load(bufs[wr.inputs[0]], _operand_index(EpiOperand(wr.inputs[0], f32, xs), xs, 2, t, ih * w + iw))
+        ncols = -(-(pcol - pc) // ps)   # this phase's padded columns
+        lz = min(max(0, -(-(pw - pc) // ps)), ncols)
+        mid_hi = max(lz, min(-(-(pw + w - pc) // ps), ncols))
+        row = dst + pc * plane + V("cc")
+        fills.append(L.for_("cc", 0, ncols, L.Store(pad, row, ident), "vector"))
+        vals.append(L.block(*pro, L.Store(pad, row, xval)))
+        ranges.append((lz, mid_hi, ncols, row))
+        lo_all, hi_all = max(lo_all, lz), mid_hi if hi_all is None else min(hi_all, mid_hi)
+    hi_all = max(lo_all, hi_all)
+    copies = []
+    for pc, (lz, mid_hi, ncols, row) in enumerate(ranges):
+        # the columns only this phase has in the image (at most a few at each edge); the
+        # shared range below reads the input's consecutive columns for all phases at once
+        copies += [L.for_("cc", 0, lz, L.Store(pad, row, ident), "vector"),
+                   L.for_("cc", lz, min(lo_all, mid_hi), vals[pc]),
+                   L.for_("cc", max(hi_all, lz), mid_hi, vals[pc]),
+                   L.for_("cc", mid_hi, ncols, L.Store(pad, row, ident), "vector")]
+    copies.append(L.for_("cc", lo_all, hi_all, L.block(*vals), "vector"))
+    copy = L.for_("r", 0, prow, L.If(L.land(L.ge(ih, 0), L.lt(ih, h)), L.block(*copies), L.block(*fills)))
+    taps = [L.Load(pad, ((j * dw) % ps) * plane + (V("oh") * sh + i * dh) * qc
+                   + (V("ow") * (sw // ps) + (j * dw) // ps)) for i in range(kh) for j in range(kw)]
     acc = _tree(taps, L.maximum if a["reducer"] == "max" else (lambda p, q: p + q))
     epi, eenv = chain(post, ys, t, V("oh") * ow + V("ow"), {wr.outputs[0]: V("acc", f32)}, "y")
     lin = t * (oh * ow) + V("oh") * ow + V("ow")

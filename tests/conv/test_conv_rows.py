@@ -254,3 +254,72 @@ def test_row_conv_concurrent_callers():
         t.join()
     assert not errors, errors[0]
     assert "row-reading conv" in str(f.plan)
+
+
+def _two_conv_model():
+    """``x -> conv A (16 -> 24, 3x3, pad 1, 20x18) -> ReLU -> conv B (24 -> 8, 3x3, stride 2)``: two
+    row-reading convs whose padded copies differ in size (B's is the 4-phase split of A's output),
+    so B's copy lands in the buffer A's filled."""
+    import onnx
+    from onnx import helper, numpy_helper
+    rng = np.random.default_rng(12)
+    wa = (rng.standard_normal((24, 16, 3, 3)) * 0.2).astype(np.float32)
+    wb = (rng.standard_normal((8, 24, 3, 3)) * 0.2).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "WA"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "WB"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
+    g = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, (1, 16, 20, 18))],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(wa, "WA"), numpy_helper.from_array(wb, "WB")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_row_convs_share_the_thread_pad_buffer():
+    """Every row-reading conv a thread runs makes its padded copy in that thread's one buffer
+    (``pad_buffer``): the second conv's copy overwrites the first's, and the slack past it (read
+    by dropped grid columns) is zeroed again -- results equal onnxruntime's and, bit for bit,
+    those with a fresh array per call (``REUSE_PAD`` off)."""
+    from apollo_py.codegen import conv_rows as CR
+    m = _two_conv_model()
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    assert str(f.plan).count("row-reading conv") == 2, str(f.plan)
+    rng = np.random.default_rng(13)
+    for _ in range(3):
+        x = (rng.standard_normal((1, 16, 20, 18)) * 4).astype(np.float32)
+        want = ort_run(m, {"x": x})[0]
+        got = f(x=x)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        buf = CR._LOCAL.pad
+        CR.REUSE_PAD = False
+        try:
+            fresh = f(x=x)
+        finally:
+            CR.REUSE_PAD = True
+        np.testing.assert_array_equal(got, fresh)
+        assert CR._LOCAL.pad is buf       # the buffer was kept, not reallocated
+    assert CR.pad_buffer(10).ctypes.data % 64 == 0
+
+
+def test_row_convs_pad_buffers_per_thread():
+    """Two Python threads calling the same model at once each make their padded copies in their
+    own buffer: every result equals onnxruntime's."""
+    import threading
+    m = _two_conv_model()
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    rng = np.random.default_rng(14)
+    xs = [(rng.standard_normal((1, 16, 20, 18)) * 4).astype(np.float32) for _ in range(4)]
+    wants = [ort_run(m, {"x": x})[0] for x in xs]
+    f(x=xs[0])
+    bad = []
+
+    def worker(k):
+        for _ in range(20):
+            got = f(x=xs[k])
+            if not np.allclose(got, wants[k], rtol=1e-4, atol=1e-4 * float(np.abs(wants[k]).max())):
+                bad.append(k)
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad

@@ -25,6 +25,13 @@ POOLS = {
                                                                     pads=[1, 1, 1, 1], count_include_pad=1)),
     "max1d": ((2, 6, 31), "MaxPool", True, False, dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
     "avg1d": ((1, 4, 20), "AveragePool", False, True, dict(kernel_shape=[4], strides=[3], pads=[0, 2])),
+    # column phases (pool_kernel.PHASE_SPLIT): stride 3 with a dilated window (taps in phases 0, 2, 1),
+    # pads wider than one phase, a window narrower than its stride, odd planes
+    "max_s3_dil2": ((1, 3, 14, 29), "MaxPool", True, False, dict(kernel_shape=[2, 3], strides=[2, 3],
+                                                                 pads=[1, 2, 0, 1], dilations=[1, 2])),
+    "max_k1_s2": ((1, 4, 9, 12), "MaxPool", False, False, dict(kernel_shape=[1, 1], strides=[2, 2])),
+    "avg_s2_odd": ((2, 3, 15, 17), "AveragePool", True, True, dict(kernel_shape=[3, 3], strides=[2, 2],
+                                                                   pads=[1, 1, 1, 1], count_include_pad=1)),
 }
 
 
@@ -38,6 +45,29 @@ def test_pool_kernel_matches_onnxruntime(case):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     pools = [k for k in f.plan.kernels if k.fused is not None and k.fused.strategy == "pool"]
     assert len(pools) == 1, str(f.plan)
+
+
+@pytest.mark.parametrize("case", ["stem_max", "max_s3_dil2", "avg_s2_odd", "max1d"])
+def test_pool_kernel_column_phases_same_numbers(case, tmp_path):
+    """A strided window reads a column-phase-split scratch (``PHASE_SPLIT``); with the switch off
+    the same model (the plain padded plane) gives the same numbers bit for bit: the taps are the
+    same values, reduced in the same order."""
+    from apollo_py.layers import pool_kernel as PK
+    xs, op, pre, post, attrs = POOLS[case]
+    m = pool_model(xs, op, pre, post, **attrs)
+    x = np.random.default_rng(2).standard_normal(xs).astype(np.float32)
+    # separate cache directories: the two kernels differ in their scratch layout only
+    f = apollo_py.jit(m, options=Options(num_threads=2, cache_dir=str(tmp_path / "split")))
+    got = f(x=x)
+    PK.PHASE_SPLIT = False
+    try:
+        f2 = apollo_py.jit(m, options=Options(num_threads=2, cache_dir=str(tmp_path / "plain")))
+        plain = f2(x=x)
+    finally:
+        PK.PHASE_SPLIT = True
+    np.testing.assert_array_equal(got, plain)
+    scratch = [k.fused.loop for k in (f.plan.kernels[0], f2.plan.kernels[0])]
+    assert repr(scratch[0]) != repr(scratch[1])     # the column phases were used
 
 
 CONV1D = {
