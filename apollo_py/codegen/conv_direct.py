@@ -246,14 +246,14 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
     if is_matvec(g):
         return _matvec_kernel(d, w, x, ops, outs)
+    sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
+               enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     from apollo_py.codegen import conv_dw_rows
-    if conv_dw_rows.applies(d):     # 7x7 and larger depthwise: row-blocked (conv_dw_rows.py)
-        return conv_dw_rows.dw_rows_kernel(d, w, x, ops, outs)
+    if conv_dw_rows.applies(d):     # depthwise at stride 1: row-blocked (conv_dw_rows.py)
+        return conv_dw_rows.dw_rows_kernel(d, w, x, ops, outs, sq_outs)
     from apollo_py.codegen.conv_block import block_form, block_kernel
     if block_form(g, d.cout) and d.squeeze is None:
         return block_kernel(d, w, x, ops, outs, _epilogue, _tree_sum)
-    sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
-               enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
         return _padded_kernel(d, w, x, ops, outs, sq_outs)
     V = L.Var

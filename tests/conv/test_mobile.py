@@ -70,11 +70,13 @@ def test_squeeze_not_fused_when_reduction_is_not_over_the_plane():
     assert not any(getattr(k.gemm, "squeeze", None) for k in f.plan.kernels), f.plan
 
 
-@pytest.mark.parametrize("xs,k,s", [((1, 24, 14, 14), 3, 1), ((1, 16, 7, 7), 5, 1), ((1, 8, 28, 28), 3, 2)])
-def test_flat_form_vectorises_small_planes(xs, k, s):
-    """Depthwise kernels at 14x14 / 7x7 / stride 2 run the tap sum over the flattened padded
-    plane (scratch ``yflat``), vectorised at more than 4 lanes (LLVM vectorised 14- and 7-wide
-    rows at 2 lanes or not at all)."""
+@pytest.mark.parametrize("xs,k,s,scratch", [((1, 24, 14, 14), 3, 1, "yrow"), ((1, 16, 7, 7), 5, 1, "yflat"),
+                                             ((1, 8, 28, 28), 3, 2, "yrow")])
+def test_flat_form_vectorises_small_planes(xs, k, s, scratch):
+    """Depthwise kernels at 14x14 / 7x7 / stride 2 run vectorised at more than 4 lanes (LLVM
+    vectorised 14- and 7-wide rows at 2 lanes or not at all): 7-wide rows and strided convs the
+    tap sum over the flattened padded plane (scratch ``yflat``), 14-wide rows (strides 1, 2) the
+    row-blocked kernel over a 16-lane row pitch (codegen/conv_dw_rows.py, scratch ``yrow``)."""
     import re
     from apollo_py.codegen.conv_direct import flat_form, render_direct_conv
     from apollo_py.codegen.llvm import optimize_ir
@@ -84,7 +86,7 @@ def test_flat_form_vectorises_small_planes(xs, k, s):
     want = ort_run(m, {"x": x})[0]
     np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     d = f.plan.kernels[0].gemm
-    assert flat_form(d) and "yflat" in render_direct_conv(d)
+    assert flat_form(d) and scratch in render_direct_conv(d)
     ir = str(optimize_ir(render_direct_conv(d)))
     widths = {int(v) for v in re.findall(r"<(\d+) x float>", ir)}
     assert max(widths) >= 8, widths
