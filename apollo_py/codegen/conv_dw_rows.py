@@ -114,10 +114,10 @@ def _whole_vectors(var: str, lo: int, hi: int, body) -> list:
     return loops
 
 
-def dw_rows_kernel(d, w, x, ops, outs, sq_outs=()) -> L.Kernel:
+def dw_rows_kernel(d, w, x, ops, outs, sq_outs=(), squeeze=()) -> L.Kernel:
     """The loop-IR kernel of ``d`` (``applies(d)`` holds): params ``(w, x, operands...,
-    outputs..., squeeze rows...)`` as conv_direct.direct_conv_kernel's."""
-    from apollo_py.codegen.conv_direct import _squeeze
+    outputs..., squeeze rows...)`` as conv_direct.direct_conv_kernel's; ``squeeze``: the
+    statements summing plane ``t`` of a fused squeeze after it is stored (conv_direct's)."""
     g = d.conv
     ph, pw = g.pads
     st = g.strides[0]
@@ -190,7 +190,7 @@ def dw_rows_kernel(d, w, x, ops, outs, sq_outs=()) -> L.Kernel:
         L.Local("co", "int64", t % d.cout),
         L.Local("xbase", "int64", (V("img") * g.c + V("co")) * (g.h * g.w)),
         L.Local("wbase", "int64", V("co") * (g.kh * g.kw)),
-        copy, *weights, *rows, *_squeeze(d, outs, sq_outs, t))
+        copy, *weights, *rows, *squeeze)
     zero_fill = L.for_("z", 0, pad.size, L.Store(pad, V("z"), zero), "vector")
     loops = L.block(pad, *tmps, zero_fill, L.for_("t", 0, g.n * d.cout, plane, "parallel"))
     return L.Kernel(d.name, (w, x, *ops, *outs, *sq_outs), loops, "t", g.n * d.cout)

@@ -1,7 +1,8 @@
 """The row-blocked depthwise kernel (codegen/conv_dw_rows.py) for MobileNet / EfficientNet's
 3x3 and 5x5 convs: strides 1 and 2 (column phases in the scratch row), odd sizes, batch 2, with
-the squeeze of a squeeze-excitation block summed per plane -- numbers against onnxruntime,
-plan pins (one direct kernel, the row-blocked form)."""
+the squeeze of a squeeze-excitation block summed per plane; the channel-vector kernel
+(codegen/conv_dw_cvec.py) for 5x5 convs on 7x7 planes -- numbers against onnxruntime, plan pins
+(one direct kernel, the form)."""
 import sys
 from pathlib import Path
 
@@ -73,3 +74,40 @@ def test_row_blocked_kernel_applies_where_it_measured_faster():
     assert not applies(desc(8, 30, 3, 3)) and not applies(desc(8, 30, 3, 1, dil=2))
     assert not applies(desc(16, 28, 3, 1, group=8))
     assert not applies(replace(desc(16, 112, 3, 1), form="flat"))
+
+
+CV = "16 channels per vector"
+
+
+@pytest.mark.parametrize("x_shape,pads,act", [
+    ((1, 32, 7, 7), (2, 2, 2, 2), "SiLU"),           # EfficientNet's 7x7 5x5 form, two channel blocks
+    ((2, 16, 6, 5), (1, 2, 3, 2), "HardSwish"),      # batch 2, asymmetric pads: 6 x 5 output, odd plane
+])
+def test_channel_vector_depthwise_matches_onnxruntime(x_shape, pads, act):
+    c = x_shape[1]
+    m = conv_model(x_shape, (c, 1, 5, 5), pads=pads, group=c, act=act)
+    x = np.random.default_rng(6).standard_normal(x_shape).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    want = ort_run(m, {"x": x})[0]
+    np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert len(f.plan.kernels) == 1 and CV in f.plan.kernels[0].reason, f.plan
+
+
+@pytest.mark.parametrize("kw", [
+    dict(x_shape=(2, 48, 7, 7), k=5, mean="SumDiv"),                                  # EfficientNet
+    dict(x_shape=(1, 32, 7, 7), k=5, act="HardSwish", gate="HardSigmoid", mean="GlobalAveragePool",
+         expose_pool=True),                                                          # MobileNetV3, pool stored
+])
+def test_channel_vector_depthwise_with_squeeze_in_three_steps(kw):
+    """The squeeze sums 16 channels' pixels per lane; FC1, FC2 + gate + excitation follow."""
+    m = se_block_model(**kw)
+    x = np.random.default_rng(7).standard_normal(kw["x_shape"]).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    got = f(x=x)
+    want = ort_run(m, {"x": x})
+    got = got if isinstance(got, (list, tuple)) else [got]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    ks = f.plan.kernels
+    assert len(ks) == 3 and ks[0].gemm.squeeze is not None and CV in ks[0].reason, f.plan
