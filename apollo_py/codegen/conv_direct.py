@@ -81,6 +81,10 @@ class Excite:
     output: str
     shape: tuple
     dtype: str = "float32"
+    #: the product is written over the operand's buffer (``output`` then lives in the operand's
+    #: arena slot: runtime/cpu.py), not into a buffer of its own -- set by
+    #: layers/conv_squeeze.excite_in_place where nothing reads the operand afterwards
+    inplace: bool = False
 
     @property
     def hw(self) -> int:
@@ -112,7 +116,7 @@ class DirectConvDesc:
         excitation), in kernel parameter order after the outputs."""
         sq, ex = self.squeeze, self.excite
         rows = tuple(zip(sq.outputs, sq.out_shapes, sq.out_dtypes)) if sq is not None else ()
-        return rows + (((ex.output, ex.shape, ex.dtype),) if ex is not None else ())
+        return rows + (((ex.output, ex.shape, ex.dtype),) if ex is not None and not ex.inplace else ())
 
     # the GEMM view's sizes, for flop counts in profiles and plan text
     @property
@@ -224,9 +228,12 @@ def _matvec_kernel(d: DirectConvDesc, w, x, ops, outs) -> L.Kernel:
     if d.excite is not None:
         ex = d.excite
         src = ops[[o.value for o in d.operands].index(ex.operand)]
-        extra = [L.Param("excite", ex.dtype, prod(ex.shape))]
+        # in place: each element is read and then written at the same index by one iteration
+        # (no second parameter aliasing the operand: the impl's pointers are noalias)
+        extra = [] if ex.inplace else [L.Param("excite", ex.dtype, prod(ex.shape))]
+        dst = src if ex.inplace else extra[0]
         jv = L.Var("j")
-        body.append(L.for_("j", 0, ex.hw, L.Store(extra[0], t * ex.hw + jv,
+        body.append(L.for_("j", 0, ex.hw, L.Store(dst, t * ex.hw + jv,
                                                   L.Load(src, t * ex.hw + jv) * env[ex.value]), "vector"))
     return L.Kernel(d.name, (w, x, *ops, *outs, *extra), L.for_("t", 0, g.n * d.cout, L.block(*body), "parallel"),
                     "t", g.n * d.cout)
@@ -246,14 +253,16 @@ def direct_conv_kernel(d: DirectConvDesc) -> L.Kernel:
     outs = [L.Param(f"out{q}", dt, prod(d.out_shape)) for q, dt in enumerate(d.out_dtypes)]
     if is_matvec(g):
         return _matvec_kernel(d, w, x, ops, outs)
-    from apollo_py.codegen import conv_dw_rows
-    if conv_dw_rows.applies(d):     # 7x7 and larger depthwise: row-blocked (conv_dw_rows.py)
-        return conv_dw_rows.dw_rows_kernel(d, w, x, ops, outs)
+    sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
+               enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
+    from apollo_py.codegen import conv_dw_cvec, conv_dw_rows
+    if conv_dw_cvec.applies(d):     # depthwise on 7x7 planes: 16 channels per vector (conv_dw_cvec.py)
+        return conv_dw_cvec.dw_cvec_kernel(d, w, x, ops, outs, sq_outs, _epilogue, _tree_sum)
+    if conv_dw_rows.applies(d):     # depthwise at strides 1 and 2: row-blocked (conv_dw_rows.py)
+        return conv_dw_rows.dw_rows_kernel(d, w, x, ops, outs, sq_outs, _squeeze(d, outs, sq_outs, L.Var("t")))
     from apollo_py.codegen.conv_block import block_form, block_kernel
     if block_form(g, d.cout) and d.squeeze is None:
         return block_kernel(d, w, x, ops, outs, _epilogue, _tree_sum)
-    sq_outs = [L.Param(f"row{q}", dt, g.n * d.cout) for q, dt in
-               enumerate(d.squeeze.out_dtypes if d.squeeze is not None else ())]
     if cgi * prod(padded_plane(g)) * 4 <= SCRATCH_BYTES:
         return _padded_kernel(d, w, x, ops, outs, sq_outs)
     V = L.Var
@@ -521,8 +530,9 @@ def direct_conv_key(d: DirectConvDesc) -> str:
     import hashlib
     from ..cache import piece_key
     from .cached import _backend_digest
-    from . import conv_dw_rows
-    digest = hashlib.sha256(f"{d!r}|{_source_digest()}|{conv_dw_rows.applies(d)}".encode()).hexdigest()
+    from . import conv_dw_cvec, conv_dw_rows
+    digest = hashlib.sha256(f"{d!r}|{_source_digest()}|{conv_dw_rows.applies(d)}|{conv_dw_cvec.applies(d)}"
+                            .encode()).hexdigest()
     return piece_key(digest, "cpu-direct-conv", {"backend": _backend_digest()})
 
 
@@ -533,7 +543,7 @@ def _source_digest() -> str:
     from ..fsutil import files_digest
     here = os.path.dirname(__file__)
     return files_digest(os.path.join(here, f) for f in
-                        ("conv_direct.py", "conv_dw_rows.py", "conv_block.py", "loopir.py", "printer.py",
+                        ("conv_direct.py", "conv_dw_rows.py", "conv_dw_cvec.py", "conv_block.py", "loopir.py", "printer.py",
                          "llvm_math.py", "scalar_ops.py"))
 
 

@@ -243,7 +243,9 @@ def gemm_spec(head: Node, epilogue: list, graph: Graph, later: set, options: Opt
             from ..codegen.conv_direct import direct_conv_desc
             desc = direct_conv_desc(name.replace("gemm_", "dconv_", 1), xs, ws, os_, attrs, head.outputs[0], **epi)
             from ..codegen.conv_dw_rows import ROWS, applies as dw_rows
-            rows = f"; {ROWS} output rows per vector loop, codegen/conv_dw_rows.py" if dw_rows(desc) else ""
+            from ..codegen.conv_dw_cvec import CV, applies as dw_cvec
+            rows = (f"; {CV} channels per vector, codegen/conv_dw_cvec.py" if dw_cvec(desc) else
+                    f"; {ROWS} output rows per vector loop, codegen/conv_dw_rows.py" if dw_rows(desc) else "")
             what = f"direct conv{one_d} (generated; {direct}{rows})"
         else:
             desc = conv_desc(name, xs, ws, os_, attrs, head.outputs[0], **epi)

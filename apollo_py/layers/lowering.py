@@ -147,6 +147,9 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
                 continue
         ins, outs = _boundary(nodes, graph, later)
         steps.extend(_fuse(nodes, ins, outs, graph, options, tuple(group), members))
+    if options.target == "cpu":
+        from .conv_squeeze import excite_in_place
+        steps = excite_in_place(steps, graph)
     return steps
 
 

@@ -152,6 +152,12 @@ class CpuExecutable:
             s = self.steps[k]
             self.steps[k] = SliceView(s.nodes, s.inputs, s.outputs, "slice as a view: a contiguous block of "
                                       f"{s.inputs[0]!r} in its buffer (no copy)")
+        # an excitation written over its operand (layers/conv_squeeze.excite_in_place): the
+        # product is the operand's buffer
+        for s in self.steps:
+            ex = getattr(s.compiled.desc, "excite", None) if type(s) is GemmStep else None
+            if ex is not None and ex.inplace:
+                members[ex.output] = (ex.operand, 0)
         placed = {*members, *(r for r, _ in views.values())}
         bound = set()
         for s in self.steps:

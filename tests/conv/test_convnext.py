@@ -91,15 +91,15 @@ def test_row_blocked_depthwise_matches_onnxruntime(x_shape, pads, act):
     assert "4 output rows per vector loop" in f.plan.kernels[0].reason, f.plan
 
 
-@pytest.mark.parametrize("x_shape,kernel,strides", [
-    ((1, 16, 7, 7), (7, 7), (1, 1)),        # 7 columns in 16 lanes: conv_direct's flat form instead
-    ((1, 8, 20, 20), (7, 7), (2, 2)),       # stride 2
-    ((1, 8, 20, 20), (5, 5), (1, 1)),       # 25 taps: conv_direct's kernels
+@pytest.mark.parametrize("x_shape,kernel,strides,dilations", [
+    ((1, 16, 7, 7), (7, 7), (1, 1), (1, 1)),        # 7 columns in 16 lanes: conv_direct's flat form instead
+    ((1, 8, 20, 20), (7, 7), (3, 3), (1, 1)),       # stride 3 (row-blocked: strides 1 and 2)
+    ((1, 8, 20, 20), (5, 5), (1, 1), (2, 2)),       # dilation 2
 ])
-def test_other_depthwise_convs_keep_conv_direct(x_shape, kernel, strides):
+def test_other_depthwise_convs_keep_conv_direct(x_shape, kernel, strides, dilations):
     c = x_shape[1]
     m = conv_model(x_shape, (c, 1, *kernel), pads=(3, 3, 3, 3) if kernel == (7, 7) else (2, 2, 2, 2),
-                   strides=strides, group=c)
+                   strides=strides, dilations=dilations, group=c)
     x = np.random.default_rng(3).standard_normal(x_shape).astype(np.float32)
     f = apollo_py.jit(m, options=Options(num_threads=2))
     np.testing.assert_allclose(f(x=x), ort_run(m, {"x": x})[0], rtol=1e-4, atol=1e-4)

@@ -70,11 +70,16 @@ def test_squeeze_not_fused_when_reduction_is_not_over_the_plane():
     assert not any(getattr(k.gemm, "squeeze", None) for k in f.plan.kernels), f.plan
 
 
-@pytest.mark.parametrize("xs,k,s", [((1, 24, 14, 14), 3, 1), ((1, 16, 7, 7), 5, 1), ((1, 8, 28, 28), 3, 2)])
-def test_flat_form_vectorises_small_planes(xs, k, s):
-    """Depthwise kernels at 14x14 / 7x7 / stride 2 run the tap sum over the flattened padded
-    plane (scratch ``yflat``), vectorised at more than 4 lanes (LLVM vectorised 14- and 7-wide
-    rows at 2 lanes or not at all)."""
+@pytest.mark.parametrize("xs,k,s,scratch", [((1, 24, 14, 14), 3, 1, "yrow"), ((1, 20, 7, 7), 5, 1, "yflat"),
+                                             ((1, 16, 7, 7), 5, 1, "ycv"),
+                                             ((1, 8, 28, 28), 3, 2, "yrow")])
+def test_flat_form_vectorises_small_planes(xs, k, s, scratch):
+    """Depthwise kernels at 14x14 / 7x7 / stride 2 run vectorised at more than 4 lanes (LLVM
+    vectorised 14- and 7-wide rows at 2 lanes or not at all): 7-wide rows and strided convs the
+    tap sum over the flattened padded plane (scratch ``yflat``), 14-wide rows (strides 1, 2) the
+    row-blocked kernel over a 16-lane row pitch (codegen/conv_dw_rows.py, scratch ``yrow``), 5x5
+    convs on 7x7 planes with a multiple of 16 channels 16 channels per vector (conv_dw_cvec.py,
+    scratch ``ycv``)."""
     import re
     from apollo_py.codegen.conv_direct import flat_form, render_direct_conv
     from apollo_py.codegen.llvm import optimize_ir
@@ -84,7 +89,7 @@ def test_flat_form_vectorises_small_planes(xs, k, s):
     want = ort_run(m, {"x": x})[0]
     np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     d = f.plan.kernels[0].gemm
-    assert flat_form(d) and "yflat" in render_direct_conv(d)
+    assert flat_form(d) and scratch in render_direct_conv(d)
     ir = str(optimize_ir(render_direct_conv(d)))
     widths = {int(v) for v in re.findall(r"<(\d+) x float>", ir)}
     assert max(widths) >= 8, widths
@@ -154,3 +159,38 @@ def test_gemm_conv_takes_the_squeeze_chain_as_epilogue(case, chain, monkeypatch)
         assert not {"add", act} & red_ops, red_ops
     else:
         assert act in red_ops
+
+
+def _with_projection(m, c, cout=8, seed=3):
+    """``m`` with a 1x1 projection conv after its output (the excitation then feeds it)."""
+    from onnx import TensorProto, helper, numpy_helper
+    g = m.graph
+    w = (np.random.default_rng(seed).standard_normal((cout, c, 1, 1)) / np.sqrt(c)).astype(np.float32)
+    g.initializer.append(numpy_helper.from_array(w, "Wp"))
+    g.node.append(helper.make_node("Conv", [g.output[0].name, "Wp"], ["proj"]))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("proj", TensorProto.FLOAT, None))
+    return m
+
+
+@pytest.mark.parametrize("kw", [dict(x_shape=(1, 32, 14, 14), k=3, mean="SumDiv"),
+                                dict(x_shape=(2, 24, 15, 13), k=5, stride=2, act="HardSwish", gate="HardSigmoid",
+                                     mean="GlobalAveragePool")])
+def test_excitation_in_place_when_only_the_projection_reads_it(kw):
+    """An excitation whose operand (the depthwise activation) nothing reads later is written over
+    the operand's buffer: the product's arena slot is the operand's; repeated calls (the driver,
+    reused arenas) match onnxruntime.  Where the product is a graph output it gets its own."""
+    m = _with_projection(se_block_model(**kw), kw["x_shape"][1])
+    x = np.random.default_rng(1).standard_normal(kw["x_shape"]).astype(np.float32)
+    f = apollo_py.jit(m, options=Options(num_threads=2))
+    want = ort_run(m, {"x": x})[0]
+    for _ in range(3):
+        np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    fc2 = f.plan.kernels[2]
+    ex = fc2.gemm.excite
+    assert ex.inplace and "in place over" in fc2.reason, f.plan
+    slots = f.specialization({"x": kw["x_shape"]}).memory.slots
+    assert slots[ex.output].offset == slots[ex.operand].offset
+    assert slots[ex.operand].last >= 3          # alive through the projection conv (step 3)
+    f2, _, _ = _se("silu_sumdiv")              # the product is the graph's output: not in place
+    assert not f2.plan.kernels[2].gemm.excite.inplace
