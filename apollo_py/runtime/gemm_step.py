@@ -56,6 +56,7 @@ class GemmStep:
             from .attention_step import AttentionStep
             return AttentionStep.build(spec, threads, cache_dir)
         from ..codegen.gemm import compile_gemm
+        from ..codegen.small_dot import compile_small_dot, dot_plan
         from ..errors import CompileError
         consts = tuple(getattr(spec, "const_inputs", ()))
         if isinstance(spec.gemm, DirectConvDesc):
@@ -87,6 +88,9 @@ class GemmStep:
                     if bl is None:
                         raise
                     cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)    # a decision it cannot take
+            elif d.conv is None and dot_plan(d)[0] is not None:
+                # tiny batched products (DLRM's interaction): dot products, batches in the lanes
+                cg = compile_small_dot(d, cache_dir=cache_dir)
             else:
                 bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
                 cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)
