@@ -34,9 +34,6 @@ from ..errors import InputError
 HELPER = False
 #: ... when they do at least this many flops or move this many bytes (GemmStep.work)
 HELPER_MIN_WORK = 1 << 20
-#: the zeros a shared GEMM step's tile counter is reset from (read only)
-_ZEROS = "\0zeros"
-_ZERO_WORDS = np.zeros(2, np.int64)
 
 
 @dataclass
@@ -115,6 +112,11 @@ class Program:
     constants: dict
     #: per-arena int64 buffers by key and length (the tile counters of shared GEMM steps)
     scratch: dict = None
+
+
+#: the zeros a shared GEMM step's tile counter is reset from (read only)
+_ZEROS = "\0zeros"
+_ZERO_WORDS = np.zeros(2, np.int64)
 
 
 def _blas_words(step, index, root, types) -> list | None:
