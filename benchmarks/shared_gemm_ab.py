@@ -9,7 +9,9 @@ Arms, all on one compiled function (the driver program is rebuilt when an arm ch
 ``one``: no helper (``drive.HELPER = False``: every driver step on the calling thread, the
 larger GEMMs on the pool); ``pool``: the helper on, but the small matmuls dispatched to the
 pool from Python as before this change; ``shared``: the helper on and the small matmuls driver
-steps that the helper shares.  Prints the median ms per call of each arm and of onnxruntime
+steps that the helper shares; ``solo``: the same steps but no helper ever started (what a call
+runs when ``HELPER = "auto"`` finds other processes on the cores: every step on the calling
+thread, no Python between them).  Prints the median ms per call of each arm and of onnxruntime
 (all optimisations, no spinning) and the load average.  The helper only has a core to run on
 when the machine is otherwise idle.
 """
@@ -52,7 +54,7 @@ def main() -> None:
     from apollo_py.runtime import drive
     from apollo_py.runtime.cpu import CpuExecutable
     from apollo_py.runtime.gemm_step import GemmStep
-    helper, shares = drive.HELPER, GemmStep.shares_tiles
+    helper, shares, start = drive.HELPER, GemmStep.shares_tiles, drive._start_helper
     try:
         for name in args.models:
             path = os.path.join(ZOO, name)
@@ -63,7 +65,8 @@ def main() -> None:
 
             def arm(which: str) -> None:
                 drive.HELPER = which != "one"
-                GemmStep.shares_tiles = shares if which == "shared" else (lambda self: False)
+                GemmStep.shares_tiles = shares if which in ("shared", "solo") else (lambda self: False)
+                drive._start_helper = (lambda pool, tables: None) if which == "solo" else start
                 for e in exes:
                     e._program = None
                     for a in e._arenas._free:
@@ -84,7 +87,7 @@ def main() -> None:
                     ts.append(time.perf_counter() - t0)
                 return float(np.median(ts)) * 1e3
 
-            arms = ("one", "pool", "shared")
+            arms = ("one", "pool", "shared", "solo")
             res = {k: [] for k in (*arms, "ort")}
             worst = 0.0
             for _ in range(args.rounds):
@@ -100,14 +103,14 @@ def main() -> None:
                 time.sleep(0.05)
             med = {k: float(np.median(v)) for k, v in res.items()}
             print(f"{name}: one {med['one']:.3f} ms, pool {med['pool']:.3f}, shared {med['shared']:.3f}, "
-                  f"onnxruntime {med['ort']:.3f}; shared/pool {med['shared'] / med['pool']:.3f}, "
-                  f"apollo/ort {med['one'] / med['ort']:.2f} / {med['pool'] / med['ort']:.2f} / "
-                  f"{med['shared'] / med['ort']:.2f}; max rel err {worst:.1e}; load {os.getloadavg()[0]:.1f}",
-                  flush=True)
+                  f"solo {med['solo']:.3f}, onnxruntime {med['ort']:.3f}; shared/pool "
+                  f"{med['shared'] / med['pool']:.3f}; apollo/ort " + " / ".join(
+                      f"{med[a] / med['ort']:.2f}" for a in arms) + f"; max rel err {worst:.1e}; load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
             del f
             gc.collect()
     finally:
-        drive.HELPER, GemmStep.shares_tiles = helper, shares
+        drive.HELPER, GemmStep.shares_tiles, drive._start_helper = helper, shares, start
 
 
 if __name__ == "__main__":
