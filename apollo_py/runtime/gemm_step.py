@@ -23,8 +23,11 @@ _NO_COUNTER = np.zeros(2, np.int64)
 #: one counter, instead of a pool dispatch from Python between segments.  DLRM's products of
 #: 6.5-17 MFLOP (25-60 us on one core) paid the pool's wake-up and ~10 us of Python each, so
 #: they ran no faster on two threads than on one (docs/design/gemm.md, "Small products").
-#: Larger products keep the pool: its dispatch is a few percent of their time.
-SHARED_MAX_FLOPS = 1 << 26
+#: Larger products keep the pool: its dispatch is a smaller part of their time, and where the
+#: helper is off for the call (``drive.HELPER == "auto"`` on a busy machine) a shared step runs
+#: on one thread where the pool would still use two (T5's 33.5 and Swin's 57.8 MFLOP products
+#: measured either way beyond the shared box's noise).
+SHARED_MAX_FLOPS = 1 << 25
 #: ... and from this many flops (~2 us on one core): below, one thread does it before the
 #: helper has claimed a tile
 SHARED_MIN_FLOPS = 1 << 19
