@@ -77,6 +77,10 @@ class GemmStep:
             a_val = d.a_value or (spec.inputs[1] if d.conv is not None else spec.inputs[0])
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
+            if d.conv is None and dot_plan(d)[0] is not None:
+                # tiny batched products (DLRM's interaction): dot products, batches in the lanes
+                return GemmStep(compile_small_dot(d, cache_dir=cache_dir), tuple(spec.inputs), tuple(spec.outputs),
+                                spec.reason, consts)
             nthreads = int(threads or os.cpu_count() or 1)
             from ..codegen.conv_cvec import compile_conv_cvec, cvec_reason
             from ..codegen.conv_rows import compile_conv_rows, rows_blocking, rows_reason
@@ -91,9 +95,6 @@ class GemmStep:
                     if bl is None:
                         raise
                     cg = compile_conv_rows(d, nthreads, cache_dir=cache_dir)    # a decision it cannot take
-            elif d.conv is None and dot_plan(d)[0] is not None:
-                # tiny batched products (DLRM's interaction): dot products, batches in the lanes
-                cg = compile_small_dot(d, cache_dir=cache_dir)
             else:
                 bl, one_thread = tuned_blocking(d, tuned.get(gemm_key(d)) if tuned else None)
                 cg = compile_gemm(d, 1 if one_thread else nthreads, bl, cache_dir=cache_dir)
