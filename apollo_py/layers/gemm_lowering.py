@@ -341,6 +341,9 @@ def fold_operand_transposes(specs: list, graph: Graph) -> list:
                                           for t in reads) + " in place"
         if d.out_perm is not None:
             why += f"; stores its result transposed {tuple(d.out_perm)}"
+        from ..codegen.small_dot import dot_plan
+        if (dp := dot_plan(d)[0]) is not None:      # GemmStep.build compiles it so
+            why += f"; as dot products, {dp.vl} batches a vector (codegen/small_dot.py)"
         specs[i] = replace(spec, inputs=ins, outputs=d.stored_as or spec.outputs, nodes=(*spec.nodes, *extra), gemm=d,
                            reason=why, micro_graphs=mgs)
         for v in ins:

@@ -83,6 +83,10 @@ class DriverTables:
                 a = program.constants.get(v)
             if a is not None:
                 self.values[i] = a.ctypes.data
+        # per arena, zeroed by the program before each use: two calls in two arenas never share one
+        self.scratch = {v: np.zeros(n, np.int64) for v, n in (program.scratch or {}).items()}
+        for v, a in self.scratch.items():
+            self.values[program.index[v]] = a.ctypes.data
         self.values_address = ctypes.addressof(self.values)
         # shared state of a call and its helper thread (codegen/driver.py, helper_ir); a helper
         # job that the pool runs late holds this array (its chunk), so it never outlives it
@@ -114,6 +118,13 @@ class Program:
     segments: list
     index: dict
     constants: dict
+    #: per-arena int64 buffers by key and length (the tile counters of shared GEMM steps)
+    scratch: dict = None
+
+
+#: the zeros a shared GEMM step's tile counter is reset from (read only)
+_ZEROS = "\0zeros"
+_ZERO_WORDS = np.zeros(2, np.int64)
 
 
 def _blas_words(step, index, root, types) -> list | None:
@@ -156,6 +167,10 @@ def build_program(exe, inline) -> Program:
     pool = getattr(exe, "_pool", None)
     # a helper thread needs a pool worker to run it and sched_yield for the spin-waits
     threads = pool.num_threads if HELPER and pool is not None and D.sched_yield_address() else 1
+    # small generated matmuls shared with the helper (GemmStep.shares_tiles): only where the
+    # helper is the pool's one worker (a larger pool gives a pool dispatch more threads)
+    share = threads == 2
+    scratch: dict = {}
     slots = exe.memory.slots
     graph = exe.graph
     index: dict = {}
@@ -216,16 +231,28 @@ def build_program(exe, inline) -> Program:
         elif kind == "step" and getattr(item, "noop", False):
             continue        # a concat whose inputs were all written in place (runtime/concat.py)
         elif kind == "step" and isinstance(item, GemmStep) \
-                and (call := item.driver_call(exe.constants, graph.types)) is not None:
+                and (call := item.driver_call(exe.constants, graph.types, shared=share)) is not None:
             s = item        # a generated GEMM or direct conv
             address, extent, args, more = call
             par = threads > 1 and extent > 1 and item.work() >= HELPER_MIN_WORK and not item.claims_tiles
-            if par and cur.get("blas"):
+            tiles = share and item.shares_tiles()
+            if (par or tiles) and cur.get("blas"):
                 flush()
             start(k)
             packed.update(more)
+            if tiles:
+                # caller and helper each make one call (chunks [0, 1) and [1, 2)) claiming tiles
+                # from this step's counter in the arena, zeroed first (codegen/gemm_ir.py)
+                ctr = f"\0tile_counter:{k}"
+                scratch[ctr] = 2
+                packed[_ZEROS] = _ZERO_WORDS
+                args = (*args[:-1], ctr)
             ids = [idx(root.get(v, v)) for v in args]
-            if par:
+            if tiles:
+                cur["words"] += [D.COPY, idx(ctr), idx(_ZEROS), 16, D.PARALLEL, address, 1, 2, len(args), *ids]
+                cur["extra"] += 1
+                cur["parallel"] = True
+            elif par:
                 # run with the call's helper thread: chunks of about a quarter of a thread's share
                 chunk = max(item.min_chunk(), -(-extent // (4 * threads)))
                 cur["words"] += [D.PARALLEL, address, chunk, extent, len(args), *ids]
@@ -233,7 +260,7 @@ def build_program(exe, inline) -> Program:
             else:
                 cur["words"] += [0, address, 0, extent, len(args), *ids]
             cur["maxargs"] = max(cur["maxargs"], len(args))
-            vals = [root.get(v, v) for v in args if v not in more]
+            vals = [root.get(v, v) for v in args if v not in more and v not in scratch]
         elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
             start(k)       # a reshape: a view made before the segment runs
             cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))
@@ -251,7 +278,7 @@ def build_program(exe, inline) -> Program:
     flush()
     consts = {v: exe.constants[v] for v in index if v in exe.constants}
     consts.update(packed)
-    return Program(entries, segments, index, consts)
+    return Program(entries, segments, index, consts, scratch)
 
 
 def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out, arena, offset) -> None:

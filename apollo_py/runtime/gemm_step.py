@@ -17,6 +17,20 @@ from ..errors import InputError
 #: the stand-in tile-counter argument of a generated GEMM run by the native driver
 _COUNTER_KEY = "\0tile_counter"
 _NO_COUNTER = np.zeros(2, np.int64)
+#: a generated matmul below this many flops is run by the native driver on a 2-thread pool even
+#: when it is too large for the calling thread alone (``CompiledGemm.inline``): as a step that
+#: the segment's helper thread shares (runtime/drive.py), the two threads claiming tiles from
+#: one counter, instead of a pool dispatch from Python between segments.  DLRM's products of
+#: 6.5-17 MFLOP (25-60 us on one core) paid the pool's wake-up and ~10 us of Python each, so
+#: they ran no faster on two threads than on one (docs/design/gemm.md, "Small products").
+#: Larger products keep the pool: its dispatch is a smaller part of their time, and where the
+#: helper is off for the call (``drive.HELPER == "auto"`` on a busy machine) a shared step runs
+#: on one thread where the pool would still use two (T5's 33.5 and Swin's 57.8 MFLOP products
+#: measured either way beyond the shared box's noise).
+SHARED_MAX_FLOPS = 1 << 25
+#: ... and from this many flops (~2 us on one core): below, one thread does it before the
+#: helper has claimed a tile
+SHARED_MIN_FLOPS = 1 << 19
 
 
 @dataclass
@@ -45,6 +59,7 @@ class GemmStep:
             from .attention_step import AttentionStep
             return AttentionStep.build(spec, threads, cache_dir)
         from ..codegen.gemm import compile_gemm
+        from ..codegen.small_dot import compile_small_dot, dot_plan
         from ..errors import CompileError
         consts = tuple(getattr(spec, "const_inputs", ()))
         if isinstance(spec.gemm, DirectConvDesc):
@@ -62,6 +77,10 @@ class GemmStep:
             a_val = d.a_value or (spec.inputs[1] if d.conv is not None else spec.inputs[0])
             if a_val in consts and d.a_view is None:
                 d = replace(d, a_const=True)
+            if d.conv is None and dot_plan(d)[0] is not None:
+                # tiny batched products (DLRM's interaction): dot products, batches in the lanes
+                return GemmStep(compile_small_dot(d, cache_dir=cache_dir), tuple(spec.inputs), tuple(spec.outputs),
+                                spec.reason, consts)
             nthreads = int(threads or os.cpu_count() or 1)
             from ..codegen.conv_cvec import compile_conv_cvec, cvec_reason
             from ..codegen.conv_rows import compile_conv_rows, rows_blocking, rows_reason
@@ -110,15 +129,29 @@ class GemmStep:
         a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
         return (b_name, a_name) if d.conv is not None else (a_name, b_name)
 
-    def driver_call(self, constants: dict, types: dict):
+    def shares_tiles(self) -> bool:
+        """True for a generated matmul (not a conv) of at least two tiles and
+        ``SHARED_MIN_FLOPS`` to ``SHARED_MAX_FLOPS`` flops (any size when ``inline``): the
+        driver may run it as one step shared with a helper thread (see ``SHARED_MAX_FLOPS``)."""
+        from ..codegen.gemm import CompiledGemm
+        cg = self.compiled
+        if type(cg) is not CompiledGemm or cg.desc.conv is not None or cg.layout.tiles < 2:
+            return False
+        d = cg.desc
+        flops = 2 * d.batch * d.m * d.n * d.k
+        return flops >= SHARED_MIN_FLOPS and (cg.inline or flops < SHARED_MAX_FLOPS)
+
+    def driver_call(self, constants: dict, types: dict, shared: bool = False):
         """What the native driver (runtime/drive.py) needs to run this step as one kernel call
         on the calling thread: ``(address, extent, args, packed)`` where ``args`` names the
         kernel's buffers in order (graph values, or keys of ``packed``: the constant operands
         packed now, once) -- or None when the step must run from Python: it runs on the thread
-        pool, writes a value the runtime does not bind, or reads a value that is not float32."""
+        pool, writes a value the runtime does not bind, or reads a value that is not float32.
+        ``shared``: the caller will share the step with a helper thread, so a step that
+        :meth:`shares_tiles` qualifies even if it is not ``inline``."""
         cg = self.compiled
         d = cg.desc
-        if not getattr(cg, "inline", False) or not prod(d.out_shape):
+        if not (getattr(cg, "inline", False) or (shared and self.shares_tiles())) or not prod(d.out_shape):
             return None
         kernel = getattr(cg, "main", None) or getattr(cg, "kernel", None)
         a_name, b_name = self.head_names()
