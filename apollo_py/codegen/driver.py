@@ -455,23 +455,30 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+def jit_module(ir: str, what: str):
+    """``ir`` parsed, verified and compiled for the host by MCJIT; returns the engine, which owns
+    the code (keep it alive while its functions are called).  CompileError names ``what``."""
+    from .llvm import _compile_lock, host
+    h = host()
+    with _compile_lock:
+        try:
+            mod = h.llvm.parse_assembly(ir)
+            mod.verify()
+        except RuntimeError as exc:
+            raise CompileError(f"{what}: invalid LLVM IR: {exc}") from exc
+        mod.triple = h.triple
+        engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
+        engine.finalize_object()
+    return engine
+
+
 def drive_function():
     """The process-wide compiled ``apollo_drive`` as a ctypes function (compiled on first use;
     calls release the GIL)."""
     with _lock:
         fn = _state.get("fn")
         if fn is None:
-            from .llvm import _compile_lock, host
-            h = host()
-            with _compile_lock:
-                try:
-                    mod = h.llvm.parse_assembly(driver_ir() + helper_ir() + block_ir())
-                    mod.verify()
-                except RuntimeError as exc:
-                    raise CompileError(f"driver: invalid LLVM IR: {exc}") from exc
-                mod.triple = h.triple
-                engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
-                engine.finalize_object()
+            engine = jit_module(driver_ir() + helper_ir() + block_ir(), "driver")
             address = engine.get_function_address("apollo_drive")
             if not address:
                 raise CompileError("driver: apollo_drive has no address")
@@ -516,20 +523,11 @@ def spin_functions():
     GIL), or None off x86-64, where the cycle counter may not count."""
     with _lock:
         if "spin" not in _state:
-            from .llvm import _compile_lock, host
-            h = host()
-            if not h.triple.startswith(("x86_64", "amd64")):
+            from .llvm import host
+            if not host().triple.startswith(("x86_64", "amd64")):
                 _state["spin"] = None
                 return None
-            with _compile_lock:
-                try:
-                    mod = h.llvm.parse_assembly(spin_ir(True))
-                    mod.verify()
-                except RuntimeError as exc:
-                    raise CompileError(f"driver: invalid LLVM IR of the spin-wait: {exc}") from exc
-                mod.triple = h.triple
-                engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
-                engine.finalize_object()
+            engine = jit_module(spin_ir(True), "the spin-wait")
             _state["spin_engine"] = engine
             _state["spin"] = (SPIN_CFUNCTYPE(engine.get_function_address("apollo_spin")),
                               CYCLES_CFUNCTYPE(engine.get_function_address("apollo_cycles")))

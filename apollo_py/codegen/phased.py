@@ -154,18 +154,10 @@ def phased_function():
     with _lock:
         fn = _state.get("fn")
         if fn is None:
-            from .llvm import _compile_lock, host
-            h = host()
-            x86 = h.triple.split("-")[0] in ("x86_64", "i386", "i686")
-            with _compile_lock:
-                try:
-                    mod = h.llvm.parse_assembly(phased_ir(x86))
-                    mod.verify()
-                except RuntimeError as exc:
-                    raise CompileError(f"phased runner: invalid LLVM IR: {exc}") from exc
-                mod.triple = h.triple
-                engine = h.llvm.create_mcjit_compiler(mod, h.target_machine())
-                engine.finalize_object()
+            from .driver import jit_module
+            from .llvm import host
+            x86 = host().triple.split("-")[0] in ("x86_64", "i386", "i686")
+            engine = jit_module(phased_ir(x86), "phased runner")
             address = engine.get_function_address("apollo_phased")
             if not address:
                 raise CompileError("phased runner: apollo_phased has no address")
