@@ -54,6 +54,9 @@ from apollo_py.errors import CompileError
 B_BLOCK_BYTES = 512 * 1024
 KC_MAX = 256          # k per block: an NR-column B micro-panel (KC x NR floats, 32 KiB) stays in L1
 MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in L2
+#: ... but a B packed per tile with A read in place: 64 (1024^3 on 2 threads: 2 row groups, B
+#: packed twice instead of 6 times, 0.955x the CPU time; see _max_panels)
+RUNTIME_B_MAX_PANELS = 64
 DIRECT_MR8_K = 768  # see blocking_for
 SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
 TILES_PER_THREAD = 8  # on several threads, split until there are this many tiles per thread ...
@@ -74,7 +77,8 @@ class Blocking:
     copy; None: :func:`direct_a_rule`), and the parallel split: on ``T > 1`` threads the
     tiles are made smaller until there are ``tiles_per_thread * T`` of them or each is down
     to ``tile_flops`` (:func:`layout`); ``nc_max``: the row-reading conv's column block
-    (codegen/conv_rows.py; unused here)."""
+    (codegen/conv_rows.py; unused here); ``prefetch_b``: a constant B's next block is
+    prefetched into L2 by the micro-kernels of the current one (codegen/gemm_ir.py)."""
 
     vl: int
     mr: int
@@ -86,6 +90,7 @@ class Blocking:
     tiles_per_thread: int = TILES_PER_THREAD
     tile_flops: int = TILE_FLOPS
     nc_max: int = 0     # grid columns per B block of the row-reading conv (0: conv_rows.NC_MAX)
+    prefetch_b: bool = True     # a constant B's next block prefetched by the micro-kernels
 
     def nc(self, kc: int, n: int) -> int:
         """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,
@@ -571,6 +576,16 @@ def direct_a_rule(d: GemmDesc, bl: Blocking) -> bool:
     return True if bl.direct_a is None else bl.direct_a
 
 
+def _max_panels(d: GemmDesc, bl: Blocking) -> int:
+    """MR-row panels per row group at most: ``bl.max_panels``, or at least
+    ``RUNTIME_B_MAX_PANELS`` for a matmul whose B is packed per tile and whose A is read in
+    place.  Every row group packs its own copy of B, and there is no packed A block to keep in
+    L2 (the group's C block, ``rows x NC`` floats, is what stays there)."""
+    if d.conv is None and not d.b_const and d.a_view is None and not d.a_const and direct_a_rule(d, bl):
+        return max(bl.max_panels, RUNTIME_B_MAX_PANELS)
+    return bl.max_panels
+
+
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     """Blocks of ``nc`` columns (``KC x nc`` packed B within ``B_BLOCK_BYTES``); rows in groups
     of at most ``MAX_PANELS`` panels.  On several threads a matmul's tiles are then made
@@ -580,7 +595,7 @@ def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     njc = -(-d.n // nc)
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
-    mg = -(-npan // bl.max_panels)
+    mg = -(-npan // _max_panels(d, bl))
     if d.conv is not None:
         if d.batch * njc * mg < want:
             # a conv's B block is an im2col gather that every row group repeats: split the
