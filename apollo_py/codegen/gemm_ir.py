@@ -158,8 +158,10 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     segs = tuple(segs) or ((d, 0),)
     # a weight's packed blocks are prefetched a block ahead (_prefetch_setup_ir): a model's
     # weights do not fit in the L3, and without it the first row panel's micro-kernels waited
-    # for them (single thread, 16 weights in turn: 1.07-1.10x the time of one weight reused)
-    pf = bool(d.b_const and getattr(bl, "prefetch_b", True))
+    # for them (single thread, 16 weights in turn: 1.07-1.10x the time of one weight reused).
+    # Not with one K block: its call would hold its next tile for a whole tile (K <= 256: a
+    # small weight, and a tile's worth of imbalance at the end of every call)
+    pf = bool(d.b_const and getattr(bl, "prefetch_b", True) and lay.nkc > 1)
     nkc, kcb = lay.nkc, lay.kcb
     a_tab = list(d.a_index)
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
