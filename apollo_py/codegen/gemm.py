@@ -54,6 +54,9 @@ from apollo_py.errors import CompileError
 B_BLOCK_BYTES = 512 * 1024
 KC_MAX = 256          # k per block: an NR-column B micro-panel (KC x NR floats, 32 KiB) stays in L1
 MAX_PANELS = 24       # MR-row panels per row group: A block and C block stay in L2
+#: ... but a B packed per tile with A read in place: 64 (1024^3 on 2 threads: 2 row groups, B
+#: packed twice instead of 6 times, 0.955x the CPU time; see _max_panels)
+RUNTIME_B_MAX_PANELS = 64
 DIRECT_MR8_K = 768  # see blocking_for
 SMALL_FLOPS = 2 * 128 ** 3  # products below this run on the calling thread (no pool wake-up)
 TILES_PER_THREAD = 8  # on several threads, split until there are this many tiles per thread ...
@@ -74,7 +77,8 @@ class Blocking:
     copy; None: :func:`direct_a_rule`), and the parallel split: on ``T > 1`` threads the
     tiles are made smaller until there are ``tiles_per_thread * T`` of them or each is down
     to ``tile_flops`` (:func:`layout`); ``nc_max``: the row-reading conv's column block
-    (codegen/conv_rows.py; unused here)."""
+    (codegen/conv_rows.py; unused here); ``prefetch_b``: a constant B's next block is
+    prefetched into L2 by the micro-kernels of the current one (codegen/gemm_ir.py)."""
 
     vl: int
     mr: int
@@ -86,6 +90,7 @@ class Blocking:
     tiles_per_thread: int = TILES_PER_THREAD
     tile_flops: int = TILE_FLOPS
     nc_max: int = 0     # grid columns per B block of the row-reading conv (0: conv_rows.NC_MAX)
+    prefetch_b: bool = True     # a constant B's next block prefetched by the micro-kernels
 
     def nc(self, kc: int, n: int) -> int:
         """Columns per B block: at most ``b_block_bytes`` of packed B, a multiple of ``nr``,
@@ -466,6 +471,20 @@ def _row_run(d: GemmDesc) -> int:
     return run
 
 
+def _col_run(d: GemmDesc) -> int:
+    """Columns of C that lie one after another in ``transpose(C, out_perm)``: the product of
+    the trailing column dims that are, in order, the innermost stored dims (ViT's and Swin's
+    QKV ``[S, 3, H, d]`` stored as ``[3, H, S, d]``: d); 1 when the innermost stored dim is a
+    row dim."""
+    run, q = 1, len(d.out_shape) - 1
+    for p in reversed(d.out_perm or ()):
+        if p != q or q < d.row_dims:
+            break
+        run *= d.out_shape[q]
+        q -= 1
+    return run
+
+
 def _col_only(o: EpiOperand, d: GemmDesc) -> bool:
     """Whether epilogue operand ``o`` is constant along C's rows (a bias, a per-column scale)."""
     shape = (1,) * (len(d.out_shape) - len(o.shape)) + tuple(o.shape)
@@ -482,8 +501,16 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
     row = L.Load(info, L.Const(0)) * d.m + L.Load(info, L.Const(1)) + ii
     col = L.Load(info, L.Const(2)) + jj
     ncols = prod(d.out_shape[d.row_dims:])
-    lin = (row * ncols + col if d.out_perm is None
-           else permuted_index(d.out_shape, d.out_perm, d.row_dims, row, col))
+    if d.out_perm is None:
+        lin = row * ncols + col
+    elif _col_run(d) % bl.nr == 0:
+        # the tile's NR columns (from a multiple of NR) lie in one run of consecutive stored
+        # columns: one address per row, then contiguous stores.  Through permuted_index per
+        # column they were a scatter: ViT's QKV stored as (2, 0, 3, 1, 4) ran at 200 GFLOP/s
+        # on one thread against 241-245 for its FFN products
+        lin = permuted_index(d.out_shape, d.out_perm, d.row_dims, row, L.Load(info, L.Const(2))) + jj
+    else:
+        lin = permuted_index(d.out_shape, d.out_perm, d.row_dims, row, col)
     stmts = [L.Local("v_head", "float32", L.Load(tile, ii * bl.nr + jj))]
     env: dict = {d.head: L.Var("v_head", "float32")}
     for q, o in enumerate(d.operands):
@@ -571,6 +598,16 @@ def direct_a_rule(d: GemmDesc, bl: Blocking) -> bool:
     return True if bl.direct_a is None else bl.direct_a
 
 
+def _max_panels(d: GemmDesc, bl: Blocking) -> int:
+    """MR-row panels per row group at most: ``bl.max_panels``, or at least
+    ``RUNTIME_B_MAX_PANELS`` for a matmul whose B is packed per tile and whose A is read in
+    place.  Every row group packs its own copy of B, and there is no packed A block to keep in
+    L2 (the group's C block, ``rows x NC`` floats, is what stays there)."""
+    if d.conv is None and not d.b_const and d.a_view is None and not d.a_const and direct_a_rule(d, bl):
+        return max(bl.max_panels, RUNTIME_B_MAX_PANELS)
+    return bl.max_panels
+
+
 def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     """Blocks of ``nc`` columns (``KC x nc`` packed B within ``B_BLOCK_BYTES``); rows in groups
     of at most ``MAX_PANELS`` panels.  On several threads a matmul's tiles are then made
@@ -580,7 +617,7 @@ def layout(d: GemmDesc, bl: Blocking, threads: int) -> GemmLayout:
     njc = -(-d.n // nc)
     npan = -(-d.m // bl.mr)
     want = 4 * max(1, threads)
-    mg = -(-npan // bl.max_panels)
+    mg = -(-npan // _max_panels(d, bl))
     if d.conv is not None:
         if d.batch * njc * mg < want:
             # a conv's B block is an im2col gather that every row group repeats: split the

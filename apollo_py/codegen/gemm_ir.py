@@ -12,7 +12,8 @@ from dataclasses import replace
 # under TYPE_CHECKING (tests/test_layering.py counts that as a module-level import cycle)
 
 
-def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int = 0, c_rs: int = 0) -> str:
+def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int = 0, c_rs: int = 0,
+              pf: bool = False) -> str:
     """``@<name>(a, b, c, kc, first)``: ``C[MR][NR] (= 0 if first) += sum_{k<kc}
     A[r][k] (x) b[k][NR]`` with ``A[r][k] = a[r * a_rs + k * a_ks]`` -- a packed panel
     ``a[k][MR]`` (``a_rs = 1, a_ks = MR``, the default) or rows of a row-major source
@@ -32,11 +33,16 @@ def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int =
     nv = bl.nr // bl.vl
     accs = [(r, v) for r in range(bl.mr) for v in range(nv)]
     lines = [f"define internal void @{name}(ptr noalias nocapture readonly %a, "
-             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c, i64 %kc, i1 %first) #1 {",
+             "ptr noalias nocapture readonly %b, ptr noalias nocapture %c, i64 %kc, i1 %first"
+             + (", ptr %pf, i64 %pfstep" if pf else "") + ") #1 {",
              "entry:"]
     lines += ["  br label %loop", "loop:", "  %k = phi i64 [0, %entry], [%k1, %loop]"]
     for r, v in accs:
         lines.append(f"  %acc{r}_{v} = phi {vt} [zeroinitializer, %entry], [%n{r}_{v}, %loop]")
+    if pf:      # line (k * pfstep) >> 16 of this call's share of the next B block (_prefetch_ir)
+        lines += ["  %pfl0 = mul i64 %k, %pfstep", "  %pfl = lshr i64 %pfl0, 16", "  %pfo = shl i64 %pfl, 4",
+                  "  %pfa = getelementptr float, ptr %pf, i64 %pfo",
+                  "  call void @llvm.prefetch.p0(ptr %pfa, i32 0, i32 2, i32 1)"]
     lines.append(f"  %bo = mul nuw nsw i64 %k, {bl.nr}")
     for v in range(nv):
         lines.append(f"  %bp{v} = getelementptr inbounds float, ptr %b, i64 %bo")
@@ -99,6 +105,48 @@ def _packed_block_ir(lay: GemmLayout, nkc: int, kcb: int) -> list:
             "  %bblk = getelementptr float, ptr %bsrc, i64 %bso"]
 
 
+def _claim_next_ir(d: GemmDesc, lay: GemmLayout, per_t: int, b_tab: list) -> list:
+    """pbody IR of a prefetched constant B: on the tile's last K block, claim the call's next
+    tile (into ``%tslot``: claimed this late, a tile is held ahead for one K block, not a whole
+    tile, so the threads' shares stay as even as before); then :func:`_prefetch_setup_ir`
+    with ``%pftn``, that tile's first block (this tile's own block when there is none: lines
+    cached already).  Ends in block ``pgo``."""
+    return [f"  %pfk = getelementptr float, ptr %bblk, i64 {lay.nc * lay.kcb}",
+            "  br i1 %last, label %pclaim, label %pgo",
+            "pclaim:", "  %tn = atomicrmw add ptr %ctr, i64 1 monotonic", "  store i64 %tn, ptr %tslot",
+            f"  %tnv = icmp slt i64 %tn, {lay.tiles}", "  %tns = select i1 %tnv, i64 %tn, i64 %t",
+            f"  %nb = udiv i64 %tns, {per_t}", f"  %nrem = urem i64 %tns, {per_t}",
+            f"  %njc = udiv i64 %nrem, {lay.mg}",
+            f"  %nbtp = getelementptr [{len(b_tab)} x i64], ptr @gemm.btab, i64 0, i64 %nb",
+            "  %nbv = load i64, ptr %nbtp",
+            f"  %ns0 = mul i64 %nbv, {lay.njc}", "  %ns1 = add i64 %ns0, %njc", f"  %ns2 = mul i64 %ns1, {lay.nkc}",
+            f"  %nso = mul i64 %ns2, {lay.nc * lay.kcb}", "  %pftn = getelementptr float, ptr %bsrc, i64 %nso",
+            "  br label %pgo", "pgo:", *_prefetch_setup_ir(lay)]
+
+
+def _prefetch_setup_ir(lay: GemmLayout) -> list:
+    """pgo IR of a prefetched constant B (after ``%bblk``): ``%pfb``, the block to prefetch
+    during this K block -- the tile's next K block, or on the last one the first of the call's
+    next tile -- ``%pfper``, its cache lines per micro-kernel call (spread evenly over the K
+    block's ``row panels x column panels`` calls), and ``%pfstep``, ``pfper / kc`` in 16.16
+    fixed point: the micro-kernel prefetches line ``(k * pfstep) >> 16`` of its share at step
+    ``k``, so the block's lines arrive at the pace of the FMAs (``Blocking.prefetch_b``)."""
+    lines = lay.nc * lay.kcb // 16
+    return ["  %pfb = phi ptr [%pftn, %pclaim], [%pfk, %pbody]",
+            "  %pfr = sub i64 %ip1, %ip0", "  %pfc0 = mul i64 %pfr, %npan",
+            "  %pfc = call i64 @llvm.smax.i64(i64 %pfc0, i64 1)",
+            f"  %pfl = add i64 %pfc, {lines - 1}", "  %pfper = udiv i64 %pfl, %pfc",
+            "  %pfsh = shl i64 %pfper, 16", "  %pfstep = udiv i64 %pfsh, %kc"]
+
+
+def _prefetch_ir() -> list:
+    """jbody IR of a prefetched constant B: ``%pfa0``, the first line of this micro-kernel
+    call's share of ``%pfb`` (call ``(row panel, column panel)`` of the K block)."""
+    return ["  %pfi0 = sub i64 %ip, %ip0", "  %pfi1 = mul i64 %pfi0, %npan", "  %pfi = add i64 %pfi1, %jp",
+            "  %pfs = mul i64 %pfi, %pfper", "  %pfs16 = mul i64 %pfs, 16",
+            "  %pfa0 = getelementptr float, ptr %pfb, i64 %pfs16"]
+
+
 def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str, epis: tuple,
             segs: tuple = ()) -> str:
     """The main kernel ``@<d.name>(args, lo, hi)``: args are A, B, the epilogue operands, the
@@ -108,6 +156,12 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     finished by its epilogue kernel in ``epis`` (one segment, ``d`` itself, by default)."""
     n_extra = len(d.operands) + len(d.outputs)
     segs = tuple(segs) or ((d, 0),)
+    # a weight's packed blocks are prefetched a block ahead (_prefetch_setup_ir): a model's
+    # weights do not fit in the L3, and without it the first row panel's micro-kernels waited
+    # for them (single thread, 16 weights in turn: 1.07-1.10x the time of one weight reused).
+    # Not with one K block: its call would hold its next tile for a whole tile (K <= 256: a
+    # small weight, and a tile's worth of imbalance at the end of every call)
+    pf = bool(d.b_const and getattr(bl, "prefetch_b", True) and lay.nkc > 1)
     nkc, kcb = lay.nkc, lay.kcb
     a_tab = list(d.a_index)
     b_tab = list(range(d.batch)) if d.conv is not None else list(d.b_index)
@@ -124,6 +178,7 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
          "  %asrc = load ptr, ptr %args",
          f"  %ascr = call ptr @aligned_alloc(i64 64, i64 {abytes})",
          "  %ainfo = alloca [2 x i64], align 8", "  %aargs = alloca [3 x ptr], align 8",
+         "  %tslot = alloca i64, align 8",
          "  store ptr %ascr, ptr %aargs",
          "  %aa1 = getelementptr ptr, ptr %aargs, i64 1", "  store ptr %asrc, ptr %aa1",
          "  %aa2 = getelementptr ptr, ptr %aargs, i64 2", "  store ptr %ainfo, ptr %aa2",
@@ -152,8 +207,12 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
     # lo == 0, that it is the caller's: it returns only when every tile is finished (a short
     # spin on `finished`, then sched_yield), so the caller need not sleep on the helpers.
     s += [*counter_ir(lay.tiles, 2 + n_extra),
-          "  br i1 %live, label %tcond, label %done",
-          "tcond:", "  %t = atomicrmw add ptr %ctr, i64 1 monotonic",
+          "  br i1 %live, label %tfirst, label %done",
+          # with a prefetched B a call claims its next tile as the last K block of the current
+          # one starts (_claim_next_ir), so that the next tile's first block is prefetched then
+          "tfirst:", *(["  %tf = atomicrmw add ptr %ctr, i64 1 monotonic", "  store i64 %tf, ptr %tslot"]
+                       if pf else []), "  br label %tcond",
+          "tcond:", ("  %t = load i64, ptr %tslot" if pf else "  %t = atomicrmw add ptr %ctr, i64 1 monotonic"),
           f"  %tc = icmp slt i64 %t, {lay.tiles}", "  br i1 %tc, label %tbody, label %done",
           "tbody:",
           f"  %b = udiv i64 %t, {per_t}", f"  %rem = urem i64 %t, {per_t}",
@@ -187,10 +246,11 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
              "  store i64 %k0, ptr %pi2", "  store i64 %kc, ptr %pi3",
              f"  call void @{pack_b}(ptr %pargs, i64 0, i64 %npan)",
              "  %bblk = getelementptr float, ptr %bscr, i64 0"]),
+          *(_claim_next_ir(d, lay, per_t, b_tab) if pf else []),
           f"  %ak0 = mul i64 %k0, {bl.mr}",
           f"  %bstride = mul i64 %kc, {bl.nr}",
           "  br label %icond",
-          "icond:", "  %ip = phi i64 [%ip0, %pbody], [%ipn, %inext]",
+          "icond:", f"  %ip = phi i64 [%ip0, %{'pgo' if pf else 'pbody'}], [%ipn, %inext]",
           "  %ic = icmp slt i64 %ip, %ip1", "  br i1 %ic, label %ibody, label %inext_p",
           "ibody:",
           f"  %i0 = mul i64 %ip, {bl.mr}", f"  %mleft = sub i64 {d.m}, %i0",
@@ -206,6 +266,7 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
           "jcond:", "  %jp = phi i64 [0, %ibody], [%jpn, %jlatch]",
           "  %jcnd = icmp slt i64 %jp, %npan", "  br i1 %jcnd, label %jbody, label %inext",
           "jbody:",
+          *(_prefetch_ir() if pf else []),
           "  %boff = mul i64 %jp, %bstride", "  %bp = getelementptr float, ptr %bblk, i64 %boff",
           f"  %coff0 = mul i64 %jp, {tile}", "  %coff = add i64 %crow, %coff0",
           "  %cp = getelementptr float, ptr %cscr, i64 %coff",
@@ -222,19 +283,22 @@ def main_ir(d: GemmDesc, bl: Blocking, lay: GemmLayout, pack_a: str, pack_b: str
             f"KC {kcb}, NC {lay.nc}",
             index_table("gemm.atab", a_tab), index_table("gemm.btab", b_tab),
             "declare ptr @aligned_alloc(i64, i64)", "declare void @free(ptr)",
-            "declare i64 @llvm.smin.i64(i64, i64)",
+            "declare i64 @llvm.smin.i64(i64, i64)", "declare i64 @llvm.smax.i64(i64, i64)",
             f"declare <{bl.vl} x float> @llvm.fma.v{bl.vl}f32(<{bl.vl} x float>, <{bl.vl} x float>, "
             f"<{bl.vl} x float>)",
             f"declare void @{pack_a}(ptr, i64, i64)", f"declare void @{pack_b}(ptr, i64, i64)",
-            *(f"declare void @{e}(ptr, i64, i64)" for e in epis), *x86_decls()]
-    micro = _micro_ir(bl)
+            *(f"declare void @{e}(ptr, i64, i64)" for e in epis), *x86_decls(),
+            *(["declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"] if pf else [])]
+    micro = _micro_ir(bl, pf=pf)
     for n in dict.fromkeys(seg.n for seg, _ in segs if plain_output(seg)):
         name = _direct_c_micro(lay, n, len(segs))
-        micro += "\n" + (_micro_ir(bl, name, d.k, 1, n) if lay.direct_a else _micro_ir(bl, name, c_rs=n))
+        micro += "\n" + (_micro_ir(bl, name, d.k, 1, n, pf) if lay.direct_a else _micro_ir(bl, name, c_rs=n, pf=pf))
     if lay.direct_a:
-        micro += "\n" + _micro_ir(bl, "gemm.micro_d", d.k, 1)
+        micro += "\n" + _micro_ir(bl, "gemm.micro_d", d.k, 1, pf=pf)
         if d.m % bl.mr:
-            micro += "\n" + _micro_ir(replace(bl, mr=d.m % bl.mr), "gemm.micro_r", d.k, 1)
+            micro += "\n" + _micro_ir(replace(bl, mr=d.m % bl.mr), "gemm.micro_r", d.k, 1, pf=pf)
+    if pf:      # every micro-kernel call prefetches its share of the next B block
+        s = [x.replace("i1 %first)", "i1 %first, ptr %pfa0, i64 %pfstep)") for x in s]
     return "\n".join(head) + "\n" + micro + "\n" + "\n".join(s)
 
 

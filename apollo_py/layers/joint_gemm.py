@@ -87,6 +87,7 @@ def join_projections(specs: list, graph: Graph, options) -> tuple[list, Graph]:
     if not getattr(options, "joint_gemm", True):
         return list(specs), graph
     from ..codegen.gemm import blocking_for
+    specs = split_projections(list(specs), graph, blocking_for(1 << 20, 1 << 20).nr)
     from ..ir.graph import ConstArray
     from ..ir.types import TensorType
     from .steps import StepSpec
@@ -133,3 +134,93 @@ def _fresh(base: str, taken) -> str:
         q += 1
         name = f"{base}{q}"
     return name
+
+
+def _lone(spec, op: str):
+    """The node of ``spec`` when it is a numpy step of one ``op`` node, else None."""
+    if spec.fused is not None or spec.gemm is not None or spec.blas is not None or len(spec.nodes) != 1:
+        return None
+    n = spec.nodes[0]
+    return n if n.op == op and len(n.inputs) == 1 and len(n.outputs) == 1 else None
+
+
+def _column_slice(spec, src: str, shape: tuple):
+    """``(first column, end column)`` when ``spec`` is a numpy step slicing ``src`` (of
+    ``shape``) along its last axis only, with step 1; else None."""
+    n = _lone(spec, "slice")
+    if n is None or n.inputs[0] != src:
+        return None
+    a = n.attrs
+    starts, ends, steps = tuple(a["starts"]), tuple(a["ends"]), tuple(a["steps"])
+    if len(starts) != len(shape) or any(st != 1 for st in steps):
+        return None
+    for d in range(len(shape) - 1):
+        if starts[d] != 0 or ends[d] is None or ends[d] < shape[d]:
+            return None
+    lo, hi = starts[-1], min(shape[-1], ends[-1] if ends[-1] is not None else shape[-1])
+    return (lo, hi) if 0 <= lo < hi else None
+
+
+def split_projections(specs: list, graph: Graph, nr: int) -> list:
+    """``specs`` with every plain generated GEMM whose result (or a lone reshape of it keeping
+    the last dim) is read only by numpy steps that slice it along the last axis into pieces
+    covering its columns -- GPT-2's ``Gemm -> Reshape -> Split`` of Q, K and V -- replaced by
+    one joint GEMM (``GemmDesc.parts``) whose column segments are stored straight into the
+    slices' results: the reshape and the slice copies (three 128 x 768 copies per layer)
+    vanish, the product and its weight stay as they were.  Each piece must start at a
+    multiple of the micro-tile's ``nr`` columns (a tile belongs to one segment)."""
+    from ..codegen.gemm import GemmDesc, _row_dims, plain_output
+    from .steps import StepSpec
+    readers: dict = {}
+    for i, sp in enumerate(specs):
+        for v in dict.fromkeys(sp.inputs):
+            readers.setdefault(v, []).append(i)
+    outs = set(graph.outputs)
+    gone: set = set()
+    for i, sp in enumerate(specs):
+        d = sp.gemm
+        if (type(d) is not GemmDesc or d.conv is not None or d.parts or d.batch != 1 or not plain_output(d)
+                or d.outputs[0] in outs):
+            continue
+        src, extra = d.outputs[0], []
+        rd = readers.get(src, [])
+        if len(rd) == 1 and _lone(specs[rd[0]], "reshape") is not None:
+            r = specs[rd[0]].outputs[0]
+            if r in outs or tuple(graph.types[r].shape)[-1:] != (d.n,):
+                continue
+            src, extra = r, [rd[0]]
+            rd = readers.get(src, [])
+        shape = tuple(graph.types[src].shape)
+        cuts = [_column_slice(specs[j], src, shape) for j in rd]
+        if len(rd) < 2 or any(c is None for c in cuts):
+            continue
+        order = sorted(zip(cuts, rd))
+        col = 0
+        for (lo, hi), _ in order:
+            if lo != col or lo % nr:
+                break
+            col = hi
+        else:
+            col = -col
+        if col != -d.n:
+            continue
+        parts, names = [], []
+        for (lo, hi), j in order:
+            o = specs[j].outputs[0]
+            oshape = tuple(graph.types[o].shape)
+            parts.append(replace(d, a_value="", b_value="", a_view=None, b_view=None, b_const=False, n=hi - lo,
+                                 out_shape=oshape, row_dims=_row_dims(oshape, hi - lo), stored_as=(o,)))
+            names.append(o)
+        joint = replace(d, name="gemm_split_" + d.name[len("gemm_"):], outputs=tuple(p.outputs[0] for p in parts),
+                        out_dtypes=tuple(p.out_dtypes[0] for p in parts), stored_as=tuple(names),
+                        parts=tuple(parts))
+        members = [sp, *(specs[j] for j in extra), *(specs[j] for _, j in order)]
+        widths = " + ".join(str(p.n) for p in parts)
+        specs[i] = StepSpec(sp.inputs, tuple(names), nodes=tuple(nd for m in members for nd in m.nodes),
+                            reason=f"{sp.reason}; split into the column slices {', '.join(names)} "
+                                   f"(N = {widths}), each stored in its own buffer",
+                            micro_graphs=tuple(sorted(set().union(*(m.micro_graphs for m in members)))),
+                            gemm=joint, const_inputs=sp.const_inputs)
+        gone.update(extra)
+        gone.update(j for _, j in order)
+    return [sp for i, sp in enumerate(specs) if i not in gone]

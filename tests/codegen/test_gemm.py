@@ -165,3 +165,31 @@ def test_hit_signatures_match_the_kernels():
         for got, want in zip((pack_a, pack_b, *epis), real):
             assert (got.name, got.params, got.parallel_var, got.parallel_extent) == \
                    (want.name, want.params, want.parallel_var, want.parallel_extent)
+
+
+@pytest.mark.parametrize("s, heads, d, perm, bias", [
+    (197, 4, 64, (2, 0, 3, 1, 4), True),     # ViT's QKV head split: runs of d = 64 stored columns
+    (37, 3, 32, (2, 0, 3, 1, 4), False),     # runs of exactly NR
+    (41, 2, 48, (2, 0, 3, 1, 4), False),     # runs of 48: not a multiple of NR, per-column stores
+    (29, 4, 64, (3, 2, 0, 1, 4), False),     # another order, the same innermost run
+])
+def test_output_stored_transposed(pool, s, heads, d, perm, bias):
+    """C ``[1, s, 3, heads, d]`` stored as ``transpose(C, perm)`` (a folded head split): where
+    the tile's columns are consecutive in the stored layout the epilogue stores a row at once
+    (codegen/gemm._col_run), and the result is numpy's either way, with an epilogue operand."""
+    from dataclasses import replace
+    rng = np.random.default_rng(7)
+    k, n = 96, 3 * heads * d
+    x, w, b = _rand(rng, s, k), _rand(rng, k, n), _rand(rng, n)
+    shape = (1, s, 3, heads, d)
+    kw = dict(outputs=("h",), out_dtypes=("float32",))
+    if bias:
+        kw = dict(nodes=(Node("add", ("h", "b"), ("y",)),), operands=(EpiOperand("b", "float32", (3, heads, d)),),
+                  outputs=("y",), out_dtypes=("float32",), node_dtypes=("float32",))
+    desc = replace(matmul_desc("g", (1, s, k), (k, n), shape, "h", **kw), b_const=True, out_perm=perm)
+    cg = compile_gemm(desc, 2)
+    out = np.full([shape[p] for p in perm], np.nan, np.float32)
+    cg.inline = False
+    cg.run(pool, x, w, [b.reshape(3, heads, d)] if bias else [], [out])
+    want = (x.astype(np.float64) @ w + (b if bias else 0)).reshape(shape).transpose(perm)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))

@@ -47,6 +47,28 @@ def test_matches_numpy_on_any_thread_count(pools, xs, ys, const, epilogue, threa
     np.testing.assert_allclose(out, want, rtol=RTOL, atol=RTOL * np.sqrt(xs[-1]))
 
 
+@pytest.mark.parametrize("xs,ys,epilogue", [
+    ((131, 1300), (1300, 203), True),            # 6 K blocks, odd sizes, bias + relu epilogue
+    ((3, 2, 45, 300), (3, 2, 300, 37), False),   # constant B per batch: next tiles in other B batches
+    ((8, 17), (17, 70), False),                  # one short K block (no prefetch), one row panel
+])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_constant_b_prefetch(pools, xs, ys, epilogue, prefetch, threads):
+    """A constant B's next block is prefetched by the micro-kernels (``Blocking.prefetch_b``:
+    the calls claim their next tile as the last K block starts; not with a single K block);
+    with or without it, on one thread or two, inline or on the pool, the product is numpy's."""
+    d, x, y, ops, want = _case(xs, ys, True, epilogue)
+    bl = replace(blocking_for(d.m, d.n, d.k), prefetch_b=prefetch)
+    cg = compile_gemm(d, threads, bl)
+    assert ("llvm.prefetch" in cg.ir) == (prefetch and cg.layout.nkc > 1)
+    for inline in (True, False):
+        cg.inline = inline
+        out = np.full(want.shape, np.nan, np.float32)
+        cg.run(pools[2] if threads == 2 else None, x, y, ops, [out])
+        np.testing.assert_allclose(out, want, rtol=RTOL, atol=RTOL * np.sqrt(xs[-1]))
+
+
 def test_concurrent_callers_of_one_gemm(pools):
     """Each call has its own tile counter: two Python threads running the same compiled GEMM
     on one pool at once both get the whole product."""

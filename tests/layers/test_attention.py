@@ -302,6 +302,17 @@ def _desc(h, m, n, d, **kw):
                          out_shape=(1, h, m, d), out_row_dims=3, output="o", **kw)
 
 
+def test_key_block_pads_least():
+    """Keys per block: one block of every key where that pads fewer than blocks of ``bn``
+    (ViT's 197 keys: 224, not 4 x 64 = 256), ``bn`` where it divides them (BERT's 128)."""
+    from apollo_py.codegen.attention import attn_layout
+    from apollo_py.codegen.gemm import host_blocking
+    nr = host_blocking().nr
+    vit, bert = attn_layout(_desc(12, 197, 197, 64), 2), attn_layout(_desc(12, 128, 128, 64), 2)
+    assert vit.bn == -(-197 // nr) * nr and bert.bn == 64
+    assert attn_layout(_desc(6, 1500, 1500, 64), 2).bn == 64     # many keys: blocks of bn
+
+
 @pytest.mark.parametrize("blocking", ["host", "avx2"])
 @pytest.mark.parametrize("kw", [{}, {"bn": 32, "qblocks": 1}, {"bn": 128, "qblocks": 3}])
 def test_kernel_block_sizes_and_avx2_blocking(monkeypatch, blocking, kw):
