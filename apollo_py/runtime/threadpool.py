@@ -27,7 +27,10 @@ from apollo_py.errors import CompileError
 #: microseconds a worker that finds no job spins for one (``codegen.driver.spin_ir``: native,
 #: GIL released) before it blocks on the queue; only while :data:`QUIET` says other processes
 #: leave two cores free (on a busy machine the spin would take a core from them).  0: never.
-SPIN_US = 500.0
+#: Off: on the quiet 2-core box (2026-11-25 13:21, load 1.1) 500 us made a lone 0.15 ms pool conv
+#: 0.75x (called back to back) but whole models 0.97-1.03x (ResNet-50 1.02, BERT 1.03, U-Net
+#: 0.97, the mobile CNNs 1.00) -- their pool steps are rarely that short or that close.
+SPIN_US = 0.0
 #: whether the cores are free of other processes (shared with runtime/drive.py's helper thread)
 QUIET = QuietGate()
 _cycles_per_us: list = []      # the cycle counter's rate, measured by the first worker that spins
