@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.compiled import CompiledKernelBase, run_claiming
 from apollo_py.codegen.gemm_ir import counter_ir, index_table, wait_all_ir, x86_decls
 from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
@@ -544,15 +544,7 @@ class CompiledAttention:
 
     def run(self, pool, q, kt, v, operands, out) -> None:
         arrays = [q, kt, v, *operands, out, np.zeros(2, np.int64)]     # the tile counter
-        if self.inline or pool is None or pool.num_threads == 1:
-            self.main(arrays)
-            return
-        # as CompiledGemm.run: the workers' lent calls (lo = 1) and this thread's (lo = 0) take
-        # tiles from the counter; this one returns when every tile is finished, so nothing
-        # sleeps on an Event and a worker that wakes late finds the counter spent
-        ptrs = self.main.pack_args(arrays)
-        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
-        self.main.cfunc(ptrs, 0, 1)
+        run_claiming(self.main, pool, arrays, self.inline)
 
 
 def _parts(d: AttentionDesc, lay: AttnLayout):

@@ -70,3 +70,17 @@ class CompiledKernelBase:
         lo = 0 if lo is None else int(lo)
         hi = (self.parallel_extent or 0) if hi is None else int(hi)
         self.cfunc(ptrs, lo, hi)
+
+
+def run_claiming(kernel, pool, arrays, alone: bool = False) -> None:
+    """Run ``kernel``, whose calls claim their tiles from a counter among ``arrays`` (zero before
+    the call) and whose caller's call (``lo`` = 0) returns only when every tile is finished: on
+    the calling thread alone (``alone``, no pool, a one-thread pool), or with each of ``pool``'s
+    workers making a helper call (``lo`` = 1) when it wakes up -- a worker that wakes late finds
+    the counter spent and returns, so nothing waits for it."""
+    if alone or pool is None or pool.num_threads == 1:
+        kernel(arrays)
+        return
+    ptrs = kernel.pack_args(arrays)
+    pool.lend(kernel.cfunc, ptrs, 1, 2, arrays)
+    kernel.cfunc(ptrs, 0, 1)

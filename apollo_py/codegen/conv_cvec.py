@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.compiled import CompiledKernelBase, run_claiming
 from apollo_py.errors import CompileError
 
 #: switch for A/B measurements in one process (benchmarks); the plan says which path runs
@@ -499,12 +499,7 @@ class CompiledConvCvec:
             else:
                 pool.run(self.pad, [src, x])
         arrays = [self.packed_a(a), src, *operands, *outputs, np.zeros(2, np.int64)]
-        if self.small or pool is None or self.layout.tiles == 1 or pool.num_threads == 1:
-            self.main(arrays)
-            return
-        ptrs = self.main.pack_args(arrays)      # as CompiledGemm.run: helpers claim tiles too
-        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
-        self.main.cfunc(ptrs, 0, 1)
+        run_claiming(self.main, pool, arrays, self.small or self.layout.tiles == 1)
 
 
 @lru_cache(maxsize=None)

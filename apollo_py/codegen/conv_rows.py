@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.compiled import CompiledKernelBase, run_claiming
 from apollo_py.errors import CompileError
 
 #: switch for A/B measurements in one process (benchmarks); the plan says which path runs
@@ -575,14 +575,7 @@ class CompiledConvRows:
             xp = pad_buffer(self.pad_size + self.slack)
             xp[self.pad_size:] = 0.0    # the pad kernel writes the rest
         arrays = [apk, xp, side, x, *operands, *outputs, np.zeros(4, np.int64)]   # the counter
-        if pool is None or pool.num_threads == 1:
-            self.main(arrays)
-            return
-        # as CompiledGemm.run: each pool worker makes a helper call when it wakes up; this
-        # thread's call takes work from the start and returns when all of it is finished
-        ptrs = self.main.pack_args(arrays)
-        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
-        self.main.cfunc(ptrs, 0, 1)
+        run_claiming(self.main, pool, arrays)
 
 
 #: the padded copies are made in one buffer per calling thread, reused by every row-reading

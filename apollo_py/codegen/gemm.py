@@ -46,7 +46,7 @@ from typing import Optional
 import numpy as np
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.compiled import CompiledKernelBase, run_claiming
 from apollo_py.codegen.gemm_ir import main_ir, plain_output  # noqa: F401 - plain_output: API
 from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
@@ -755,15 +755,7 @@ class CompiledGemm:
         if self.desc.b_const:
             bsrc = self.packed_b(bsrc)
         arrays = [a, bsrc, *operands, *outputs, np.zeros(2, np.int64)]   # the tile counter
-        if self.inline or pool is None or self.layout.tiles == 1 or pool.num_threads == 1:
-            self.main(arrays)
-            return
-        # the pool's workers each make a helper call (lo = 1) when they wake up; this thread's
-        # call (lo = 0) takes tiles from the start and returns when all are finished, so
-        # nothing waits for a late worker, which finds the counter spent and returns
-        ptrs = self.main.pack_args(arrays)
-        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
-        self.main.cfunc(ptrs, 0, 1)
+        run_claiming(self.main, pool, arrays, self.inline or self.layout.tiles == 1)
 
 
 def _render(d: GemmDesc, bl: Blocking, lay: GemmLayout):

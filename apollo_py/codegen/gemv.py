@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.compiled import CompiledKernelBase
+from apollo_py.codegen.compiled import CompiledKernelBase, run_claiming
 from apollo_py.errors import CompileError
 
 #: off by default: on the shared box (load 9-12, no free second core) the pool's two threads
@@ -239,12 +239,7 @@ class CompiledGemv:
 
     def run(self, pool, a: np.ndarray, b: np.ndarray, operands, outputs) -> None:
         arrays = [a, self.packed_b(b), *operands, *outputs, np.zeros(2, np.int64)]
-        if self.inline or pool is None or self.layout.tiles == 1 or pool.num_threads == 1:
-            self.main(arrays)
-            return
-        ptrs = self.main.pack_args(arrays)      # as CompiledGemm.run: helpers claim tiles too
-        pool.lend(self.main.cfunc, ptrs, 1, 2, arrays)
-        self.main.cfunc(ptrs, 0, 1)
+        run_claiming(self.main, pool, arrays, self.inline or self.layout.tiles == 1)
 
 
 @lru_cache(maxsize=None)
