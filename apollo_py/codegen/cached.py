@@ -27,6 +27,21 @@ from . import loopir as L
 _CACHES: dict[str | None, PieceCache] = {}
 _LOADED_CAPACITY = 2048
 _LOADED: LRUCache = LRUCache(_LOADED_CAPACITY)   # key -> CompiledKernel, this process
+#: key -> object code of what _LOADED / _ENGINES hold, so that a piece this process already has
+#: is still written to a cache directory it has not been stored in (``_store_known``); at most
+#: 64 MiB of it (a piece evicted here is only not copied to a second directory)
+_OBJECTS: LRUCache = LRUCache(64 << 20, getsizeof=len)
+
+
+def _store_known(cache: "PieceCache | None", key: str, meta: dict) -> None:
+    """Write the object code of an in-process piece to ``cache``'s directory if that lacks it
+    (a process that compiles one model into two cache directories leaves both complete)."""
+    if cache is None or not cache.directory or cache.has(key):
+        return
+    with _LOCK:
+        obj = _OBJECTS.get(key)
+    if obj is not None:
+        cache.put(key, obj, meta)
 _LOCK = threading.Lock()
 
 
@@ -91,10 +106,12 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
     with _LOCK:
         done = _LOADED.get(key)
     if done is not None and done.name == k.name:
+        _store_known(cache, key, {"kernel": k.name})
         return done
     hit = cache.get(key) if cache is not None else None
     if hit is not None:
-        ck = load_object(k, hit[0])
+        obj = hit[0]
+        ck = load_object(k, obj)
     else:
         if text is None:
             with _LOCK:
@@ -113,6 +130,7 @@ def compile_cached(k: L.Kernel, cache: PieceCache | None, key: str = ""):
             cache.put(key, obj, {"kernel": k.name})
     with _LOCK:
         _LOADED[key] = ck
+        _OBJECTS[key] = obj
     return ck
 
 
@@ -131,6 +149,7 @@ def compile_module(text: str, build, cache_dir: str | None, name: str):
     with _LOCK:
         done = _ENGINES.get(key)
     if done is not None:
+        _store_known(piece_cache(cache_dir), key, {"module": name})
         return done
     cache = piece_cache(cache_dir)
     hit = cache.get(key)
@@ -154,6 +173,7 @@ def compile_module(text: str, build, cache_dir: str | None, name: str):
         cache.put(key, obj, {"module": name})
     with _LOCK:
         _ENGINES[key] = (engine, ir)
+        _OBJECTS[key] = obj
     return engine, ir
 
 
@@ -203,6 +223,7 @@ def compile_all(kernels: Sequence[L.Kernel], cache_dir: str | None, progress=Non
             ck.ir = got[1]
             with _LOCK:
                 _LOADED[key] = ck
+                _OBJECTS[key] = got[0]
                 _TEXTS.pop(key, None)
         out.append(compile_cached(k, cache, key))
         if progress is not None:

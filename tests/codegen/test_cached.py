@@ -23,6 +23,7 @@ def _new_process(monkeypatch):
     """Forget every kernel and cache object this process holds, as a fresh process would."""
     monkeypatch.setattr(cached, "_LOADED", OrderedDict())
     monkeypatch.setattr(cached, "_CACHES", {})
+    monkeypatch.setattr(cached, "_OBJECTS", OrderedDict())
 
 
 def _kernels(f):
@@ -64,3 +65,16 @@ def test_corrupt_entry_is_recompiled(tmp_path, monkeypatch):
     f = ap.jit(_graph(72), options=opts)
     np.testing.assert_allclose(f(x), _want(x), rtol=1e-6, atol=1e-7)
     assert cached.piece_cache(str(tmp_path)).info()["misses"] >= 1
+
+
+def test_a_second_cache_dir_gets_every_piece_this_process_has(tmp_path, monkeypatch):
+    """Pieces this process compiled for one cache directory are written to another one it
+    compiles the same model into, so a new process reading the second compiles nothing."""
+    x = np.random.default_rng(2).standard_normal((8, 88)).astype(np.float32)
+    _new_process(monkeypatch)
+    first, second = tmp_path / "a", tmp_path / "b"
+    ap.jit(_graph(88), options=ap.Options(target="cpu", cache_dir=str(first)))(x)
+    f = ap.jit(_graph(88), options=ap.Options(target="cpu", cache_dir=str(second)))
+    np.testing.assert_allclose(f(x), _want(x), rtol=1e-6, atol=1e-7)
+    names = {p.name for p in (first / "pieces").rglob("*.piece")}
+    assert names and names <= {p.name for p in (second / "pieces").rglob("*.piece")}
