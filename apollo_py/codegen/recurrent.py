@@ -76,6 +76,23 @@ def _lstm_cell(attrs, gv, cprev, peep, act, clipped, cf, dtype):
     return cell, c_new, act(0, clipped(zo_full)) * act(2, c_new)
 
 
+def _params(dtype: str, t_len: int, batch: int, nd: int, gh: int, hsz: int, aux_len: int,
+            lstm: bool) -> dict:
+    """The kernels' parameters by name, in ABI order: ``xp, r, h0, lens, aux, [c0], y, yh,
+    [yc]`` (``r`` is R^T: [D, H, G*H]; ``c0`` / ``yc`` only for an LSTM)."""
+    state = nd * batch * hsz
+    out = {"xp": L.Param("xp", dtype, t_len * batch * nd * gh), "r": L.Param("r", dtype, nd * gh * hsz),
+           "h0": L.Param("h0", dtype, state), "lens": L.Param("lens", "int32", batch),
+           "aux": L.Param("aux", dtype, nd * aux_len)}
+    if lstm:
+        out["c0"] = L.Param("c0", dtype, state)
+    out["y"] = L.Param("y", dtype, t_len * state)
+    out["yh"] = L.Param("yh", dtype, state)
+    if lstm:
+        out["yc"] = L.Param("yc", dtype, state)
+    return out
+
+
 def block_rows(batch: int, directions: int, threads: int) -> int:
     """Batch rows per parallel chunk: the batch split evenly over the threads the directions
     leave idle, at most 4 rows (each R element loaded is reused from a register for the
@@ -99,16 +116,9 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
     bs = block_rows(batch, nd, threads)
     nblk = -(-batch // bs)
 
-    xp = L.Param("xp", dtype, t_len * batch * nd * gh)
-    r = L.Param("r", dtype, nd * gh * hsz)
-    h0 = L.Param("h0", dtype, nd * batch * hsz)
-    lens = L.Param("lens", "int32", batch)
-    aux = L.Param("aux", dtype, nd * aux_len)
-    c0 = L.Param("c0", dtype, nd * batch * hsz) if lstm else None
-    y = L.Param("y", dtype, t_len * nd * batch * hsz)
-    yh = L.Param("yh", dtype, nd * batch * hsz)
-    yc = L.Param("yc", dtype, nd * batch * hsz) if lstm else None
-    params = (xp, r, h0, lens, aux) + ((c0,) if lstm else ()) + (y, yh) + ((yc,) if lstm else ())
+    params = _params(dtype, t_len, batch, nd, gh, hsz, aux_len, lstm)
+    xp, r, h0, lens, aux, c0, y, yh, yc = (params.get(n) for n in
+                                            ("xp", "r", "h0", "lens", "aux", "c0", "y", "yh", "yc"))
 
     p, bi, j, s, tt = (L.Var(n) for n in ("p", "bi", "j", "s", "tt"))
     d, blk = L.Var("d"), L.Var("blk")
@@ -245,7 +255,7 @@ def recurrent_kernel(name: str, attrs, t_len: int, batch: int, aux_len: int, dty
         L.Local("d", "int64", p // nblk), L.Local("blk", "int64", p % nblk),
         gates, hn, dacc, *([rh] if cell == "gru" and not attrs["lbr"] else []),
         *init, L.for_("s", 0, t_len, step)], "parallel")
-    k = L.Kernel(name, params, L.block(body), "p", nd * nblk)
+    k = L.Kernel(name, tuple(params.values()), L.block(body), "p", nd * nblk)
     L.verify_kernel(k)
     return k
 
@@ -304,16 +314,9 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
     usz = hsz // uch
     nch = nd * uch
 
-    xp = L.Param("xp", dtype, t_len * batch * nd * gh)
-    r = L.Param("r", dtype, nd * gh * hsz)     # R^T: [D, H, G*H]
-    h0 = L.Param("h0", dtype, nd * batch * hsz)
-    lens = L.Param("lens", "int32", batch)
-    aux = L.Param("aux", dtype, nd * aux_len)
-    c0 = L.Param("c0", dtype, nd * batch * hsz) if lstm else None
-    y = L.Param("y", dtype, t_len * nd * batch * hsz)
-    yh = L.Param("yh", dtype, nd * batch * hsz)
-    yc = L.Param("yc", dtype, nd * batch * hsz) if lstm else None
-    params = (xp, r, h0, lens, aux) + ((c0,) if lstm else ()) + (y, yh) + ((yc,) if lstm else ())
+    params = _params(dtype, t_len, batch, nd, gh, hsz, aux_len, lstm)
+    xp, r, h0, lens, aux, c0, y, yh, yc = (params.get(n) for n in
+                                            ("xp", "r", "h0", "lens", "aux", "c0", "y", "yh", "yc"))
 
     p, bi, j, s, tt, q = (L.Var(n) for n in ("p", "bi", "j", "s", "tt", "q"))
     d, blk, ph = L.Var("d"), L.Var("blk"), L.Var("ph")
@@ -446,6 +449,6 @@ def recurrent_phased_kernel(name: str, attrs, t_len: int, batch: int, aux_len: i
         L.Local("u0", "int64", (p % uch) * usz), L.Local("u1", "int64", (p % uch) * usz + usz),
         gates, acc,
         L.If(L.eq(ph, 0), [init], [L.Local("s", "int64", ph - 1), step])], "parallel")
-    k = L.Kernel(name, params, L.block(body), "p", (t_len + 1) * nch)
+    k = L.Kernel(name, tuple(params.values()), L.block(body), "p", (t_len + 1) * nch)
     L.verify_kernel(k)
     return k, nch
