@@ -40,15 +40,16 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def others_share(busy0: float | None, own0: float, wall: float) -> float | None:
-    """Share of all cores' time that other processes ran since ``(busy0, own0)`` were read
-    ``wall`` seconds ago; None where ``/proc/stat`` is not readable."""
-    busy = cpu_busy()
+def others_share(busy0: float | None, own0: float, busy: float | None, own: float,
+                 wall: float) -> float | None:
+    """Share of all cores' time that other processes ran between two readings of
+    (:func:`cpu_busy`, :func:`own_cpu`), ``(busy0, own0)`` and ``(busy, own)``, taken ``wall``
+    seconds apart; None where ``/proc/stat`` is not readable."""
     if busy is None or busy0 is None or wall <= 0:
         return None
     # /proc/stat counts every core of the machine; the process may be pinned to fewer
     total = os.cpu_count() or usable_cpus()
-    return max(0.0, (busy - busy0 - (own_cpu() - own0)) / (wall * total))
+    return max(0.0, (busy - busy0 - (own - own0)) / (wall * total))
 
 
 class QuietGate:
@@ -70,7 +71,8 @@ class QuietGate:
     def __call__(self) -> bool:
         now = time.perf_counter()
         if now - self._t >= self.period:
-            share = others_share(self._busy, self._own, now - self._t)
+            busy, own = cpu_busy(), own_cpu()
+            share = others_share(self._busy, self._own, busy, own, now - self._t)
             self.quiet = share is None or share <= self.limit
-            self._t, self._busy, self._own = now, cpu_busy(), own_cpu()
+            self._t, self._busy, self._own = now, busy, own
         return self.quiet

@@ -48,8 +48,9 @@ class LoadWindow:
         own use stands in for it)."""
         wall = time.perf_counter() - self.wall
         cpus = usable_cpus()
-        own = _own() - self.own
-        share = others_share(self.busy, self.own, wall)
+        own_now = _own()
+        own = own_now - self.own
+        share = others_share(self.busy, self.own, _cpu_busy(), own_now, wall)
         end = loadavg()
         if share is None and end is not None and wall > 0:
             share = max(0.0, end - own / wall) / cpus
