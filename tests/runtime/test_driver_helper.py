@@ -34,6 +34,24 @@ def _model(case="28x28"):
     return m, x, f
 
 
+def eager_helper(started: list):
+    """A stand-in for ``drive._start_helper`` that resets the call's shared state, starts a
+    helper thread (``apollo_help``) and returns once it has joined; the threads go to
+    ``started``."""
+    def eager(pool, tables):
+        sync = tables.sync
+        for k in range(D.SYNC_WORDS - 1):
+            sync[k] = 0
+        sync[D.SYNC_WORDS - 1] = D.sched_yield_address()
+        t = threading.Thread(target=D.help_function(), args=(tables.sync_address, 0, 0))
+        t.start()
+        while sync[6] != 1:         # joined
+            pass
+        started.append(t)
+        return tables.sync_address
+    return eager
+
+
 def _rebuild(exe):
     """Drop ``exe``'s driver program and tables (HELPER is read when they are built)."""
     exe._program = None
@@ -69,20 +87,7 @@ def test_helper_that_joins_first_and_one_that_comes_late(monkeypatch):
     exe = f.specialization({"x": x.shape})
     want = f(x=x).copy()
     started = []
-
-    def eager(pool, tables):
-        sync = tables.sync
-        for k in range(D.SYNC_WORDS - 1):
-            sync[k] = 0
-        sync[D.SYNC_WORDS - 1] = D.sched_yield_address()
-        t = threading.Thread(target=D.help_function(), args=(tables.sync_address, 0, 0))
-        t.start()
-        while sync[6] != 1:         # joined
-            pass
-        started.append(t)
-        return tables.sync_address
-
-    monkeypatch.setattr(drive, "_start_helper", eager)
+    monkeypatch.setattr(drive, "_start_helper", eager_helper(started))
     monkeypatch.setattr(drive, "HELPER", True)
     _rebuild(exe)
     for _ in range(5):

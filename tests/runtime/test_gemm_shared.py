@@ -12,9 +12,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import apollo_py
 from apollo_py import Options
-from apollo_py.codegen import driver as D
 from apollo_py.runtime import drive
 from apollo_py.runtime.gemm_step import GemmStep
+
+from .test_driver_helper import _rebuild, eager_helper
 
 # DLRM's top MLP at batch 64: 64x512x100 (6.5 MFLOP) and 64x256x512 (16.8) are above
 # SMALL_FLOPS (pool products before this change), 64x64x256 (2.1) runs inline; all share tiles
@@ -44,13 +45,6 @@ def _ort(model, x):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-
-
-def _rebuild(exe):
-    """Drop ``exe``'s driver program and tables (HELPER is read when they are built)."""
-    exe._program = None
-    for a in exe._arenas._free:
-        a.driver = None
 
 
 def _python_gemms(exe) -> int:
@@ -92,20 +86,7 @@ def test_helper_that_joins_first(compiled, monkeypatch):
     _rebuild(exe)
     want = f(x=x).copy()
     started = []
-
-    def eager(pool, tables):
-        sync = tables.sync
-        for k in range(D.SYNC_WORDS - 1):
-            sync[k] = 0
-        sync[D.SYNC_WORDS - 1] = D.sched_yield_address()
-        t = threading.Thread(target=D.help_function(), args=(tables.sync_address, 0, 0))
-        t.start()
-        while sync[6] != 1:         # joined
-            pass
-        started.append(t)
-        return tables.sync_address
-
-    monkeypatch.setattr(drive, "_start_helper", eager)
+    monkeypatch.setattr(drive, "_start_helper", eager_helper(started))
     monkeypatch.setattr(drive, "HELPER", True)
     _rebuild(exe)
     for _ in range(10):
