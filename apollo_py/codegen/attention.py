@@ -42,7 +42,7 @@ import numpy as np
 
 from apollo_py.codegen import loopir as L
 from apollo_py.codegen.compiled import CompiledKernelBase, run_claiming
-from apollo_py.codegen.gemm_ir import counter_ir, index_table, wait_all_ir, x86_decls
+from apollo_py.codegen.gemm_ir import counter_ir, index_table, splat_ir, wait_all_ir, x86_decls
 from apollo_py.codegen.gemm_views import OperandView, permuted_index, view_address
 from apollo_py.errors import CompileError
 
@@ -393,9 +393,7 @@ def _micro_ir(fn: str, lay: AttnLayout, ska: int, sra: int, ldc: int) -> str:
     for r in range(mr):
         s += [f"  %ai{r} = add nuw nsw i64 %ao, {r * sra}",
               f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
-              f"  %as{r} = load float, ptr %ap{r}, align 4",
-              f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
-              f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{vl} x i32> zeroinitializer"]
+              *splat_ir(f"av{r}", f"%ap{r}", vt, vl)]
         for v in range(nv):
             s.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{vl}f32({vt} %av{r}, {vt} %bv{v}, {vt} %acc{r}_{v})")
     s += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",

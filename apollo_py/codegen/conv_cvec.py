@@ -247,6 +247,7 @@ def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int, p
     ``b + dr * sh * pw + dc * sw`` and the ``NR`` channels of the packed panel ``a[k][NR]``,
     ``C[pixel][NR] (= 0 if first) += sum_{k < kc} b[tab[k] + disp] * a[k]``; pixel ``(dr, dc)``
     of C is row ``dr * ow + dc`` (row length NR, 64-byte aligned)."""
+    from .gemm_ir import splat_ir
     vt = f"<{bl.vl} x float>"
     nr, nv = bl.nr, bl.nv
     pix = [(dr, dc) for dr in range(rows) for dc in range(cols)]
@@ -270,9 +271,7 @@ def _micro_ir(bl: CvecBlocking, rows: int, cols: int, geom: CvecGeom, ow: int, p
               f"  %w{v} = load {vt}, ptr %ap{v}, align 64"]
     for p, (dr, dc) in enumerate(pix):
         s += [f"  %sp{p} = getelementptr inbounds float, ptr %bp, i64 {dr * geom.sh * geom.pw + dc * geom.sw}",
-              f"  %ss{p} = load float, ptr %sp{p}, align 4",
-              f"  %sx{p} = insertelement {vt} poison, float %ss{p}, i64 0",
-              f"  %sv{p} = shufflevector {vt} %sx{p}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
+              *splat_ir(f"sv{p}", f"%sp{p}", vt, bl.vl)]
         for v in range(nv):
             s.append(f"  %n{p}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %sv{p}, {vt} %w{v}, {vt} %acc{p}_{v})")
     s += ["  %k1 = add nuw nsw i64 %k, 1", "  %kcnd = icmp ult i64 %k1, %kc",

@@ -12,6 +12,14 @@ from dataclasses import replace
 # under TYPE_CHECKING (tests/test_layering.py counts that as a module-level import cycle)
 
 
+def splat_ir(name: str, ptr: str, vt: str, vl: int) -> list[str]:
+    """IR lines that load the float at ``ptr`` and broadcast it into ``%name``, a ``vt`` of ``vl``
+    lanes: a micro-kernel's scalar operand (``%name.s`` and ``%name.x`` are its temporaries)."""
+    return [f"  %{name}.s = load float, ptr {ptr}, align 4",
+            f"  %{name}.x = insertelement {vt} poison, float %{name}.s, i64 0",
+            f"  %{name} = shufflevector {vt} %{name}.x, {vt} poison, <{vl} x i32> zeroinitializer"]
+
+
 def _micro_ir(bl: Blocking, name: str = "gemm.micro", a_rs: int = 1, a_ks: int = 0, c_rs: int = 0,
               pf: bool = False) -> str:
     """``@<name>(a, b, c, kc, first)``: ``C[MR][NR] (= 0 if first) += sum_{k<kc}
@@ -66,9 +74,7 @@ def micro_fma_tail_ir(bl: Blocking, a_ks: int, a_rs: int, c_rs: int, calign: int
     for r in range(bl.mr):
         lines += [f"  %ai{r} = add nuw nsw i64 %ao, {r * a_rs}",
                   f"  %ap{r} = getelementptr inbounds float, ptr %a, i64 %ai{r}",
-                  f"  %as{r} = load float, ptr %ap{r}, align 4",
-                  f"  %ax{r} = insertelement {vt} poison, float %as{r}, i64 0",
-                  f"  %av{r} = shufflevector {vt} %ax{r}, {vt} poison, <{bl.vl} x i32> zeroinitializer"]
+                  *splat_ir(f"av{r}", f"%ap{r}", vt, bl.vl)]
         for v in range(nv):
             lines.append(f"  %n{r}_{v} = call {vt} @llvm.fma.v{bl.vl}f32({vt} %av{r}, {vt} %bv{v}, "
                          f"{vt} %acc{r}_{v})")

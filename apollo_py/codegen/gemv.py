@@ -106,7 +106,7 @@ def gemv_layout(d, bl: GemvBlocking, threads: int) -> GemvLayout:
 
 
 def _main_ir(d, bl: GemvBlocking, lay: GemvLayout, epi: str) -> str:
-    from .gemm_ir import counter_ir, index_table, wait_all_ir, x86_decls
+    from .gemm_ir import counter_ir, index_table, splat_ir, wait_all_ir, x86_decls
     vl, nv, nr, k = bl.vl, bl.nv, bl.nr, d.k
     vt = f"<{vl} x float>"
     n_extra = len(d.operands) + len(d.outputs)
@@ -152,9 +152,7 @@ def _main_ir(d, bl: GemvBlocking, lay: GemvLayout, epi: str) -> str:
                       f"  call void @llvm.prefetch.p0(ptr %pfp{ln}, i32 0, i32 3, i32 1)"]
         for st, kv, off in (("a", "%k", 0), ("b", "%k1", nr)):
             s += [f"  %xp{st} = getelementptr inbounds float, ptr %xs, i64 {kv}",
-                  f"  %xv{st} = load float, ptr %xp{st}, align 4",
-                  f"  %xi{st} = insertelement {vt} poison, float %xv{st}, i64 0",
-                  f"  %xb{st} = shufflevector {vt} %xi{st}, {vt} poison, <{vl} x i32> zeroinitializer"]
+                  *splat_ir(f"xb{st}", f"%xp{st}", vt, vl)]
             for v in range(nv):
                 s += [f"  %wo{st}{v} = add nuw nsw i64 %ko, {off + v * vl}",
                       f"  %wq{st}{v} = getelementptr inbounds float, ptr %pp, i64 %wo{st}{v}",
@@ -166,9 +164,8 @@ def _main_ir(d, bl: GemvBlocking, lay: GemvLayout, epi: str) -> str:
     else:
         acc = {st: [zero] * nv for st in "ab"}
     if k % 2:       # the last k of an odd K
-        s += [f"  %xpt = getelementptr inbounds float, ptr %xs, i64 {k - 1}", "  %xvt = load float, ptr %xpt, align 4",
-              f"  %xit = insertelement {vt} poison, float %xvt, i64 0",
-              f"  %xbt = shufflevector {vt} %xit, {vt} poison, <{vl} x i32> zeroinitializer"]
+        s += [f"  %xpt = getelementptr inbounds float, ptr %xs, i64 {k - 1}",
+              *splat_ir("xbt", "%xpt", vt, vl)]
         for v in range(nv):
             s += [f"  %wqt{v} = getelementptr inbounds float, ptr %pp, i64 {(k - 1) * nr + v * vl}",
                   f"  %wt{v} = load {vt}, ptr %wqt{v}, align 64",
