@@ -278,8 +278,7 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     phases over the block's ``MR`` rows (short per-row dependency chains, so rows overlap):
     score transform; row max (lane accumulators, tree fold); ``P = exp(S - m')`` with the row
     sum; rescale of the output accumulator."""
-    from apollo_py.codegen.gemm import _operand_index
-    from apollo_py.codegen.scalar_ops import scalar_op
+    from apollo_py.codegen.gemm import _operand_index, epilogue_locals
     gr, bn, vl, mr = lay.qb * lay.mr, lay.bn, lay.vl, lay.mr
     sb = L.Param("sb", "float32", gr * bn)
     pb = L.Param("pb", "float32", gr * bn)
@@ -295,15 +294,8 @@ def _upd(d: AttentionDesc, lay: AttnLayout) -> L.Kernel:
     # every key block full: the operand columns need no clamp, so their loads are contiguous
     # vector loads (with the clamp LLVM gathers them: 13% of T5's 128 x 128 attention)
     col = _info(5) + j if d.n % bn == 0 else L.minimum(_info(5) + j, d.n - 1)
-    stmts = [L.Local("v_head", f32, L.Load(sb, r * bn + j))]
-    env: dict = {d.head: L.Var("v_head", f32)}
-    for q, o in enumerate(d.operands):
-        env[o.value] = L.Load(ops[q], _operand_index(o, d.s_shape, d.s_row_dims, row, col))
-    env.update(d.inline_consts)
-    for q, n in enumerate(d.nodes):
-        e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
-        stmts.append(L.Local(f"v{q}", e.dtype, e))
-        env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+    stmts, env = epilogue_locals(d, L.Load(sb, r * bn + j), ops,
+                                 lambda o: _operand_index(o, d.s_shape, d.s_row_dims, row, col))
     x = env[d.x]
     if x.dtype != f32:
         x = L.Cast(x, f32)

@@ -32,7 +32,7 @@ from math import prod
 import numpy as np
 
 from apollo_py.codegen import loopir as L
-from apollo_py.codegen.gemm import ConvGeom, _operand_index
+from apollo_py.codegen.gemm import ConvGeom, _operand_index, epilogue_locals
 from apollo_py.errors import CompileError
 
 MAX_TAPS = 64          # Cin/group * kh * kw unrolled per output element
@@ -174,17 +174,7 @@ def _epilogue(d: DirectConvDesc, acc: L.Expr, ops, outs, row: L.Expr, col: L.Exp
     ``row`` = image * Cout + channel, column ``col`` = oh * OW + ow) and storing the outputs
     (at ``at`` instead of the output element's index when given: the flat form's scratch);
     ``prefix`` keeps the locals of several channels' chains in one loop body apart."""
-    from apollo_py.codegen.scalar_ops import scalar_op
-    f32 = "float32"
-    stmts = [L.Local(prefix + "v_head", f32, acc)]
-    env: dict = {d.head: L.Var(prefix + "v_head", f32)}
-    for q, o in enumerate(d.operands):
-        env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, 2, row, col))
-    env.update(d.inline_consts)
-    for q, n in enumerate(d.nodes):
-        e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
-        stmts.append(L.Local(f"{prefix}v{q}", e.dtype, e))
-        env[n.outputs[0]] = L.Var(f"{prefix}v{q}", e.dtype)
+    stmts, env = epilogue_locals(d, acc, ops, lambda o: _operand_index(o, d.out_shape, 2, row, col), prefix)
     if env_out is not None:
         env_out.update(env)
     lin = row * (d.conv.oh * d.conv.ow) + col if at is None else at

@@ -85,18 +85,8 @@ def _epilogue(d, acc: L.Expr, ops, tmps, at: L.Expr, t: L.Expr, tag: str) -> lis
     """The epilogue chain on ``acc`` (the conv's value of plane ``t``; operands are per
     channel, so any column indexes them), stored into the row scratches at ``at``; locals
     named with ``tag`` so that the ``ROWS`` copies in one loop body do not collide."""
-    from apollo_py.codegen.gemm import _operand_index
-    from apollo_py.codegen.scalar_ops import scalar_op
-    f32 = "float32"
-    stmts = [L.Local(f"{tag}h", f32, acc)]
-    env: dict = {d.head: L.Var(f"{tag}h", f32)}
-    for q, o in enumerate(d.operands):
-        env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, 2, t, L.Const(0)))
-    env.update(d.inline_consts)
-    for q, n in enumerate(d.nodes):
-        e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
-        stmts.append(L.Local(f"{tag}v{q}", e.dtype, e))
-        env[n.outputs[0]] = L.Var(f"{tag}v{q}", e.dtype)
+    from apollo_py.codegen.gemm import _operand_index, epilogue_locals
+    stmts, env = epilogue_locals(d, acc, ops, lambda o: _operand_index(o, d.out_shape, 2, t, L.Const(0)), tag)
     return stmts + [L.Store(tmps[q], at, env[v]) for q, v in enumerate(d.outputs)]
 
 

@@ -485,6 +485,27 @@ def _col_run(d: GemmDesc) -> int:
     return run
 
 
+def epilogue_locals(d, head: L.Expr, ops, index, prefix: str = "") -> tuple[list, dict]:
+    """Loop-IR statements that evaluate the epilogue chain ``d.nodes`` on ``head`` (the
+    product's value at one output element), and the values by name afterwards.  ``ops`` are the
+    buffers of ``d.operands``; ``index(o)`` is the element's index into operand ``o``;
+    ``d.inline_consts`` stand for themselves.  The locals are ``{prefix}v_head`` and
+    ``{prefix}v{q}`` (a prefix keeps several chains in one loop body apart).  Used by the GEMM,
+    attention and direct-conv epilogues (``d`` has ``head``, ``operands``, ``inline_consts``,
+    ``nodes``, ``node_dtypes``)."""
+    from apollo_py.codegen.scalar_ops import scalar_op
+    stmts = [L.Local(prefix + "v_head", "float32", head)]
+    env: dict = {d.head: L.Var(prefix + "v_head", "float32")}
+    for q, o in enumerate(d.operands):
+        env[o.value] = L.Load(ops[q], index(o))
+    env.update(d.inline_consts)
+    for q, n in enumerate(d.nodes):
+        e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
+        stmts.append(L.Local(f"{prefix}v{q}", e.dtype, e))
+        env[n.outputs[0]] = L.Var(f"{prefix}v{q}", e.dtype)
+    return stmts, env
+
+
 def _col_only(o: EpiOperand, d: GemmDesc) -> bool:
     """Whether epilogue operand ``o`` is constant along C's rows (a bias, a per-column scale)."""
     shape = (1,) * (len(d.out_shape) - len(o.shape)) + tuple(o.shape)
@@ -492,7 +513,6 @@ def _col_only(o: EpiOperand, d: GemmDesc) -> bool:
 
 
 def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
-    from apollo_py.codegen.scalar_ops import scalar_op
     if _row_run(d) >= bl.mr and all(_col_only(o, d) for o in d.operands):
         return _epilogue_kernel_rows(d, bl)
     tile, info, *params = _epilogue_params(d, bl)
@@ -511,18 +531,8 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
         lin = permuted_index(d.out_shape, d.out_perm, d.row_dims, row, L.Load(info, L.Const(2))) + jj
     else:
         lin = permuted_index(d.out_shape, d.out_perm, d.row_dims, row, col)
-    stmts = [L.Local("v_head", "float32", L.Load(tile, ii * bl.nr + jj))]
-    env: dict = {d.head: L.Var("v_head", "float32")}
-    for q, o in enumerate(d.operands):
-        env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, d.row_dims, row, col))
-    for name, c in d.inline_consts.items():
-        env[name] = c
-    for q, n in enumerate(d.nodes):
-        args = [env[v] for v in n.inputs]
-        odt = d.node_dtypes[q]
-        e = scalar_op(n, args, [], odt)
-        stmts.append(L.Local(f"v{q}", e.dtype, e))
-        env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+    stmts, env = epilogue_locals(d, L.Load(tile, ii * bl.nr + jj), ops,
+                                 lambda o: _operand_index(o, d.out_shape, d.row_dims, row, col))
     for q, v in enumerate(d.outputs):
         stmts.append(L.Store(outs[q], lin, env[v]))
     inner = L.for_("jj", 0, L.Load(info, L.Const(3)), L.block(*stmts), "vector")
@@ -537,7 +547,6 @@ def _epilogue_kernel_rows(d: GemmDesc, bl: Blocking) -> L.Kernel:
     at a stride of the plane size, a scatter.  Runs once per tile (the first of the call's row
     range); a tile straddling the end of a run of rows, or with fewer than ``MR`` rows, takes a
     scalar loop.  Operands must be constant along rows (:func:`_col_only`)."""
-    from apollo_py.codegen.scalar_ops import scalar_op
     tile, info, *params = _epilogue_params(d, bl)
     ops, outs = params[:len(d.operands)], params[len(d.operands):]
     V = L.Var
@@ -547,15 +556,8 @@ def _epilogue_kernel_rows(d: GemmDesc, bl: Blocking) -> L.Kernel:
     col = L.Load(info, L.Const(2)) + jj
 
     def body(lin: L.Expr, row: L.Expr) -> L.Block:
-        stmts = [L.Local("v_head", "float32", L.Load(tile, r * bl.nr + jj))]
-        env: dict = {d.head: L.Var("v_head", "float32")}
-        for q, o in enumerate(d.operands):
-            env[o.value] = L.Load(ops[q], _operand_index(o, d.out_shape, d.row_dims, row, col))
-        env.update(d.inline_consts)
-        for q, n in enumerate(d.nodes):
-            e = scalar_op(n, [env[v] for v in n.inputs], [], d.node_dtypes[q])
-            stmts.append(L.Local(f"v{q}", e.dtype, e))
-            env[n.outputs[0]] = L.Var(f"v{q}", e.dtype)
+        stmts, env = epilogue_locals(d, L.Load(tile, r * bl.nr + jj), ops,
+                                     lambda o: _operand_index(o, d.out_shape, d.row_dims, row, col))
         return L.block(*stmts, *(L.Store(outs[q], lin, env[v]) for q, v in enumerate(d.outputs)))
 
     zero = L.Const(0)
