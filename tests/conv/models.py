@@ -91,6 +91,25 @@ def convt_model(x_shape, w_shape, bias=True, **attrs):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def residual_conv1d_model(seed: int = 5):
+    """``(model, x)``: a 3x3 conv of x[2, 6, 9, 7] with a residual add + ReLU epilogue (an
+    epilogue operand indexed by output pixel), reshaped to one row and fed to a stride-2
+    Conv1d."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((6, 6, 3, 3)) * 0.3).astype(np.float32)
+    w1 = (rng.standard_normal((5, 6, 3)) * 0.3).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "x"], ["r"]), helper.make_node("Relu", ["r"], ["y"]),
+             helper.make_node("Reshape", ["y", "s"], ["y1"]),
+             helper.make_node("Conv", ["y1", "W1"], ["z"], pads=[2, 0], strides=[2])]
+    g = helper.make_graph(nodes, "res", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 6, 9, 7))],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w1, "W1"),
+                           numpy_helper.from_array(np.array([2, 6, 63], np.int64), "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return m, rng.standard_normal((2, 6, 9, 7)).astype(np.float32)
+
+
 def ort_run(model, feeds: dict):
     import onnxruntime as ort
     so = ort.SessionOptions()

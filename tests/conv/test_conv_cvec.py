@@ -14,7 +14,7 @@ from apollo_py import Options
 from apollo_py.codegen import conv_cvec as CV
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import conv_model, ort_run  # noqa: E402
+from models import conv_model, ort_run, residual_conv1d_model  # noqa: E402
 
 @pytest.fixture
 def always_cvec(monkeypatch):
@@ -79,21 +79,7 @@ def test_layout_splits_rows_into_bands_for_few_panels():
 
 def test_residual_epilogue_and_1d_conv(always_cvec):
     """An epilogue operand indexed by output pixel (the residual add) and a Conv1d (one row)."""
-    import onnx
-    from onnx import helper, numpy_helper
-    rng = np.random.default_rng(5)
-    w = (rng.standard_normal((6, 6, 3, 3)) * 0.3).astype(np.float32)
-    w1 = (rng.standard_normal((5, 6, 3)) * 0.3).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Add", ["c", "x"], ["r"]), helper.make_node("Relu", ["r"], ["y"]),
-             helper.make_node("Reshape", ["y", "s"], ["y1"]),
-             helper.make_node("Conv", ["y1", "W1"], ["z"], pads=[2, 0], strides=[2])]
-    g = helper.make_graph(nodes, "res", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, (2, 6, 9, 7))],
-                          [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w1, "W1"),
-                           numpy_helper.from_array(np.array([2, 6, 63], np.int64), "s")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    x = rng.standard_normal((2, 6, 9, 7)).astype(np.float32)
+    m, x = residual_conv1d_model()
     f = apollo_py.jit(m, options=Options(num_threads=2))
     np.testing.assert_allclose(f(x=x), ort_run(m, {"x": x})[0], rtol=1e-4, atol=1e-4)
     convs = [k for k in f.plan.kernels if "channel-vector conv" in k.reason]

@@ -10,7 +10,7 @@ import apollo_py
 from apollo_py import Options
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import conv_model, ort_run  # noqa: E402
+from models import conv_model, ort_run, residual_conv1d_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -56,21 +56,7 @@ def test_row_conv_matches_onnxruntime(case):
 
 def test_row_conv_residual_epilogue_and_1d():
     """A residual add (an epilogue operand indexed by output column) and a Conv1d."""
-    import onnx
-    from onnx import helper, numpy_helper
-    rng = np.random.default_rng(5)
-    w = (rng.standard_normal((6, 6, 3, 3)) * 0.3).astype(np.float32)
-    w1 = (rng.standard_normal((5, 6, 3)) * 0.3).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Add", ["c", "x"], ["r"]), helper.make_node("Relu", ["r"], ["y"]),
-             helper.make_node("Reshape", ["y", "s"], ["y1"]),
-             helper.make_node("Conv", ["y1", "W1"], ["z"], pads=[2, 0], strides=[2])]
-    g = helper.make_graph(nodes, "res", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, (2, 6, 9, 7))],
-                          [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w1, "W1"),
-                           numpy_helper.from_array(np.array([2, 6, 63], np.int64), "s")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    x = rng.standard_normal((2, 6, 9, 7)).astype(np.float32)
+    m, x = residual_conv1d_model()
     f = apollo_py.jit(m, options=Options(num_threads=2))
     np.testing.assert_allclose(f(x=x), ort_run(m, {"x": x})[0], rtol=1e-4, atol=1e-4)
     rows = [k for k in f.plan.kernels if "row-reading conv" in k.reason]
