@@ -90,10 +90,9 @@ class DriverTables:
         self.values_address = ctypes.addressof(self.values)
         # shared state of a call and its helper thread (codegen/driver.py, helper_ir); a helper
         # job that the pool runs late holds this array (its chunk), so it never outlives it
-        from ..codegen.driver import SYNC_WORDS
+        from ..codegen.driver import BLOCK_WORDS, SYNC_WORDS
         self.sync = (ctypes.c_int64 * SYNC_WORDS)()
         self.sync_address = ctypes.addressof(self.sync)
-        from ..codegen.driver import BLOCK_WORDS
         self.objs = []
         # per segment, the arguments of its apollo_drive call (codegen/driver.py, block_ir):
         # all fixed for this arena but the helper's sync word of a parallel segment
