@@ -51,6 +51,7 @@ def _lib() -> ctypes.CDLL:
     errors = []
     for c in cands:
         try:
+            _preload_builtins(os.path.dirname(c))
             lib = ctypes.CDLL(c)
         except OSError as e:
             errors.append(f"{c}: {e}")
@@ -60,6 +61,21 @@ def _lib() -> ctypes.CDLL:
     raise NvrtcUnavailableError("NVRTC not found: install the 'nvidia-cuda-nvrtc' wheel "
                                 "(pip install 'apollo_py[cuda]') or set APOLLO_PY_NVRTC"
                                 + (f" ({'; '.join(errors)})" if errors else ""))
+
+
+def _preload_builtins(libdir: str) -> None:
+    """Load the ``libnvrtc-builtins`` beside a ``libnvrtc`` (RTLD_GLOBAL) before it.
+
+    NVRTC opens its builtins library by soname when it compiles, and the loader finds it only on
+    the library path or through an RPATH: the ``nvidia-cuda-nvrtc`` 12.x wheels set
+    ``$ORIGIN``, 13.x (``nvidia/cu13/lib``) does not, so every compile failed with
+    NVRTC_ERROR_BUILTIN_OPERATION_FAILURE ("failed to open libnvrtc-builtins.so.13.0").  A
+    library already loaded under that soname is what dlopen returns."""
+    for b in sorted(glob.glob(os.path.join(libdir, "libnvrtc-builtins.so*"))):
+        try:
+            ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue        # libnvrtc itself may still find one; its error names what is missing
 
 
 @lru_cache(maxsize=None)
