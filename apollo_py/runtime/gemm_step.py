@@ -17,6 +17,9 @@ from ..errors import InputError
 #: the stand-in tile-counter argument of a generated GEMM run by the native driver
 _COUNTER_KEY = "\0tile_counter"
 _NO_COUNTER = np.zeros(2, np.int64)
+#: the stand-in argument of a row-reading conv's padded copy (a per-arena buffer, runtime/drive.py)
+PAD_KEY = "\0conv_pad"
+_NO_SIDE_KEY = "\0no_side"
 #: a generated matmul below this many flops is run by the native driver on a 2-thread pool even
 #: when it is too large for the calling thread alone (``CompiledGemm.inline``): as a step that
 #: the segment's helper thread shares (runtime/drive.py), the two threads claiming tiles from
@@ -31,6 +34,10 @@ SHARED_MAX_FLOPS = 1 << 25
 #: ... and from this many flops (~2 us on one core): below, one thread does it before the
 #: helper has claimed a tile
 SHARED_MIN_FLOPS = 1 << 19
+#: convs too (the implicit GEMM, the channel-vector and the row-reading kernels claim tiles from
+#: a counter like the generated matmul): False keeps every conv a one-thread step or a pool
+#: dispatch (A/B: benchmarks/helper_ab.py --share)
+SHARE_CONVS = True
 
 
 @dataclass
@@ -129,29 +136,47 @@ class GemmStep:
         a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
         return (b_name, a_name) if d.conv is not None else (a_name, b_name)
 
-    def shares_tiles(self) -> bool:
-        """True for a generated matmul (not a conv) of at least two tiles and
-        ``SHARED_MIN_FLOPS`` to ``SHARED_MAX_FLOPS`` flops (any size when ``inline``): the
-        driver may run it as one step shared with a helper thread (see ``SHARED_MAX_FLOPS``)."""
+    def shares_tiles(self, big: bool = False) -> bool:
+        """True for a tile-claiming kernel the driver may run as one step shared with a helper
+        thread (see ``SHARED_MAX_FLOPS``): a generated matmul, or (``SHARE_CONVS``) a conv on
+        the implicit GEMM, the channel-vector kernel (no padded copy from Python) or the
+        row-reading kernel (no side copy), of at least two tiles and ``SHARED_MIN_FLOPS`` to
+        ``SHARED_MAX_FLOPS`` flops (any size when ``inline``, or when ``big``: the program
+        that runs only while the helper is sure to have a core, runtime/drive.py)."""
+        from ..codegen.conv_cvec import CompiledConvCvec
+        from ..codegen.conv_rows import CompiledConvRows
         from ..codegen.gemm import CompiledGemm
         cg = self.compiled
-        if type(cg) is not CompiledGemm or cg.desc.conv is not None or cg.layout.tiles < 2:
+        kind = type(cg)
+        if kind is CompiledGemm:
+            if cg.desc.conv is not None and not SHARE_CONVS:
+                return False
+        elif kind is CompiledConvCvec:
+            if not SHARE_CONVS or cg.pad is not None:
+                return False
+        elif kind is CompiledConvRows:
+            if not SHARE_CONVS or cg.tail:
+                return False
+        else:
+            return False
+        if cg.layout.tiles < 2:
             return False
         d = cg.desc
         flops = 2 * d.batch * d.m * d.n * d.k
-        return flops >= SHARED_MIN_FLOPS and (cg.inline or flops < SHARED_MAX_FLOPS)
+        return flops >= SHARED_MIN_FLOPS and (getattr(cg, "inline", False) or big or flops < SHARED_MAX_FLOPS)
 
-    def driver_call(self, constants: dict, types: dict, shared: bool = False):
+    def driver_call(self, constants: dict, types: dict, shared: bool = False, big: bool = False):
         """What the native driver (runtime/drive.py) needs to run this step as one kernel call
         on the calling thread: ``(address, extent, args, packed)`` where ``args`` names the
         kernel's buffers in order (graph values, or keys of ``packed``: the constant operands
-        packed now, once) -- or None when the step must run from Python: it runs on the thread
+        packed now, once; a row-reading conv's padded copy is :data:`PAD_KEY`, its buffer
+        :meth:`pad_scratch`) -- or None when the step must run from Python: it runs on the thread
         pool, writes a value the runtime does not bind, or reads a value that is not float32.
         ``shared``: the caller will share the step with a helper thread, so a step that
-        :meth:`shares_tiles` qualifies even if it is not ``inline``."""
+        :meth:`shares_tiles` (``big``: of any size) qualifies even if it is not ``inline``."""
         cg = self.compiled
         d = cg.desc
-        if not (getattr(cg, "inline", False) or (shared and self.shares_tiles())) or not prod(d.out_shape):
+        if not (getattr(cg, "inline", False) or (shared and self.shares_tiles(big))) or not prod(d.out_shape):
             return None
         kernel = getattr(cg, "main", None) or getattr(cg, "kernel", None)
         a_name, b_name = self.head_names()
@@ -164,6 +189,12 @@ class GemmStep:
                 key = f"\0packed_{'ab'[k]}:{d.name}:{args[k]}"
                 packed[key] = pack(constants[args[k]])
                 args[k] = key
+        rows = isinstance(getattr(cg, "_no_side", None), np.ndarray)     # conv_rows.CompiledConvRows
+        if rows:
+            # the row-reading conv's padded copy (made by its calls: PAD_KEY, or the input
+            # itself), its side copy (none: shares_tiles) and the input
+            args[1:2] = [b_name if cg.in_place else PAD_KEY, _NO_SIDE_KEY, b_name]
+            packed[_NO_SIDE_KEY] = cg._no_side
         args += [o.value for o in d.operands]
         for v, shape, dt in self._stored:
             t = types.get(v)
@@ -173,13 +204,28 @@ class GemmStep:
         if self.claims_tiles:
             # the generated GEMM's tile counter: a call of the whole tile range keeps its own
             # on the stack (codegen/gemm_ir.py), so one never-written buffer serves every step
+            # (a shared step gets a zeroed one of its own: runtime/drive.py)
             packed[_COUNTER_KEY] = _NO_COUNTER
             args.append(_COUNTER_KEY)
-        if any(v not in packed and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
+        if any(v not in packed and v != PAD_KEY and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
             return None
         if len(args) != len(kernel.params):
             return None
         return kernel.address, kernel.parallel_extent or 0, tuple(args), packed
+
+    def counter_words(self) -> int:
+        """int64 words of the kernel's shared counter (the row-reading conv's has four: its
+        padded copy's chunks, then its tiles)."""
+        return 4 if isinstance(getattr(self.compiled, "_no_side", None), np.ndarray) else 2
+
+    def pad_scratch(self) -> int:
+        """float32 elements of the buffer :data:`PAD_KEY` stands for in :meth:`driver_call`'s
+        arguments: a row-reading conv's padded copy and the slack after it, which must stay
+        zero (so one buffer is shared only by convs of this same size); 0: none."""
+        cg = self.compiled
+        if not isinstance(getattr(cg, "_no_side", None), np.ndarray) or cg.in_place:
+            return 0
+        return cg.pad_size + cg.slack
 
     @property
     def claims_tiles(self) -> bool:
