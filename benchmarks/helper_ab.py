@@ -13,8 +13,9 @@ core to run on and the ratio says nothing.
 ``--share`` A/Bs the helper-shared conv and big steps instead (``gemm_step.SHARE_CONVS``,
 ``drive.SHARE_BIG``, docs/design/driver.md "Big steps in the driver"), every arm with
 ``HELPER = True``: ``base`` (neither), ``convs`` (shared convs), ``big`` (shared convs and the
-big-step program), ``solo`` (``convs`` with the helper never started: the busy-box path of
-``HELPER = "auto"``, where a call runs the first program without a helper).
+big-step program), and ``base_solo`` / ``solo`` (``base`` / ``big`` with the helper never
+asked for: the busy-box path of ``HELPER = "auto"``, where a call runs the first program
+without a helper).
 """
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def _share_ab(args) -> None:
     import apollo_py as ap
     from apollo_py.runtime import drive, gemm_step
     from apollo_py.runtime.cpu import CpuExecutable
-    saved = drive.HELPER, drive.SHARE_BIG, gemm_step.SHARE_CONVS, drive._start_helper
-    arms = ("base", "convs", "big", "solo")
+    saved = drive.HELPER, drive.SHARE_BIG, gemm_step.SHARE_CONVS, drive._start_helper, drive.helper_wanted
+    arms = ("base", "convs", "big", "base_solo", "solo")
     try:
         for name in args.models:
             path = os.path.join(ZOO, name + ".onnx")
@@ -130,9 +131,10 @@ def _share_ab(args) -> None:
 
             def arm(which: str) -> None:
                 drive.HELPER = True
-                gemm_step.SHARE_CONVS = which != "base"
-                drive.SHARE_BIG = which == "big"
-                drive._start_helper = (lambda pool, tables: None) if which == "solo" else saved[3]
+                gemm_step.SHARE_CONVS = which in ("convs", "big", "solo")
+                drive.SHARE_BIG = which in ("big", "solo")
+                # a call that does not ask for the helper: the first program, no helper
+                drive.helper_wanted = (lambda: False) if which.endswith("solo") else saved[4]
                 for e in exes:
                     e._program = None
                     for a in e._arenas._free:
@@ -167,13 +169,15 @@ def _share_ab(args) -> None:
                 loads.append(os.getloadavg()[0])
             med = {k: float(np.median(v)) for k, v in res.items()}
             print(f"{name}: " + ", ".join(f"{k} {med[k]:.3f}" for k in (*arms, "ort")) + " ms; vs base " +
-                  " / ".join(f"{k} {med[k] / med['base']:.3f}" for k in arms[1:]) + "; apollo/ort " +
+                  " / ".join(f"{k} {med[k] / med['base']:.3f}" for k in arms[1:]) + " (paired, median of rounds: " +
+                  " / ".join(f"{np.median(np.array(res[k]) / np.array(res['base'])):.3f}" for k in arms[1:]) +
+                  "); apollo/ort " +
                   " / ".join(f"{med[k] / med['ort']:.2f}" for k in arms) +
                   f"; max rel err vs ort {worst:.1e}; load {min(loads):.1f}-{max(loads):.1f}", flush=True)
             del f
             gc.collect()
     finally:
-        drive.HELPER, drive.SHARE_BIG, gemm_step.SHARE_CONVS, drive._start_helper = saved
+        drive.HELPER, drive.SHARE_BIG, gemm_step.SHARE_CONVS, drive._start_helper, drive.helper_wanted = saved
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ HELPER_MIN_WORK = 1 << 20
 #: the helper (``HELPER`` True, or "auto" while the gate finds the cores free); a call without
 #: the helper runs the first program, so on a busy machine the big steps keep the pool's two
 #: threads (docs/design/driver.md, "Big steps in the driver")
-SHARE_BIG = False
+SHARE_BIG = True
 #: judges, for HELPER "auto", whether the cores are free of other processes (the pool's gate)
 _QUIET = QUIET
 

@@ -140,9 +140,9 @@ class GemmStep:
         """True for a tile-claiming kernel the driver may run as one step shared with a helper
         thread (see ``SHARED_MAX_FLOPS``): a generated matmul, or (``SHARE_CONVS``) a conv on
         the implicit GEMM, the channel-vector kernel (no padded copy from Python) or the
-        row-reading kernel (no side copy), of at least two tiles and ``SHARED_MIN_FLOPS`` to
-        ``SHARED_MAX_FLOPS`` flops (any size when ``inline``, or when ``big``: the program
-        that runs only while the helper is sure to have a core, runtime/drive.py)."""
+        row-reading kernel (no side copy), of at least two tiles and ``SHARED_MIN_FLOPS``
+        flops; a matmul below ``SHARED_MAX_FLOPS``, a conv only when ``inline`` -- any size
+        when ``big``: the program of the calls that get the helper, runtime/drive.py)."""
         from ..codegen.conv_cvec import CompiledConvCvec
         from ..codegen.conv_rows import CompiledConvRows
         from ..codegen.gemm import CompiledGemm
@@ -163,7 +163,12 @@ class GemmStep:
             return False
         d = cg.desc
         flops = 2 * d.batch * d.m * d.n * d.k
-        return flops >= SHARED_MIN_FLOPS and (getattr(cg, "inline", False) or big or flops < SHARED_MAX_FLOPS)
+        inline = getattr(cg, "inline", False)
+        if d.conv is not None:
+            # a conv the pool would run stays a pool dispatch in the program of calls without
+            # a helper (on a busy machine the pool still gives it two threads)
+            return flops >= SHARED_MIN_FLOPS and (inline or big)
+        return flops >= SHARED_MIN_FLOPS and (inline or big or flops < SHARED_MAX_FLOPS)
 
     def driver_call(self, constants: dict, types: dict, shared: bool = False, big: bool = False):
         """What the native driver (runtime/drive.py) needs to run this step as one kernel call
