@@ -269,13 +269,21 @@ def build_program(exe, inline, big: bool = False) -> Program:
                 packed[_ZEROS] = _ZERO_WORDS
                 args = (*args[:-1], ctr)
                 if PAD_KEY in args:
-                    # a row-reading conv's padded copy: per arena, shared by the convs of its size
-                    # only (the slack after the copy is never written, so it stays zero)
+                    # a conv's padded copy: per arena, shared by the convs of its kind and size
+                    # only (a row-reading conv's slack after the copy is never written, so it
+                    # stays zero; a channel-vector conv's pad kernel writes all of it)
                     n = item.pad_scratch()
-                    pad = f"{PAD_KEY}:{n}"
+                    pad = f"{PAD_KEY}:{'cvec' if item.pad_call() else 'rows'}:{n}"
                     scratch[pad] = -(-n // 2)
                     args = tuple(pad if v == PAD_KEY else v for v in args)
             ids = [idx(root.get(v, v)) for v in args]
+            src = None
+            if tiles and (pre := item.pad_call()) is not None:
+                # a channel-vector conv's padded copy first (one call, on the calling thread)
+                src = root.get(item.head_names()[1], item.head_names()[1])
+                cur["words"] += [0, pre[0], 0, pre[1], 2, idx(pad), idx(src)]
+                cur["extra"] += 1
+                cur["maxargs"] = max(cur["maxargs"], 2)
             if tiles:
                 cur["words"] += [D.COPY, idx(ctr), idx(_ZEROS), 8 * words, D.PARALLEL, address, 1, 2, len(args),
                                  *ids]
@@ -289,7 +297,7 @@ def build_program(exe, inline, big: bool = False) -> Program:
             else:
                 cur["words"] += [0, address, 0, extent, len(args), *ids]
             cur["maxargs"] = max(cur["maxargs"], len(args))
-            vals = [root.get(v, v) for v in args if v not in more and v not in scratch]
+            vals = [root.get(v, v) for v in args if v not in more and v not in scratch] + ([src] if src else [])
         elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
             start(k)       # a reshape: a view made before the segment runs
             cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))

@@ -152,7 +152,7 @@ class GemmStep:
             if cg.desc.conv is not None and not SHARE_CONVS:
                 return False
         elif kind is CompiledConvCvec:
-            if not SHARE_CONVS or cg.pad is not None:
+            if not SHARE_CONVS:
                 return False
         elif kind is CompiledConvRows:
             if not SHARE_CONVS or cg.tail:
@@ -163,7 +163,8 @@ class GemmStep:
             return False
         d = cg.desc
         flops = 2 * d.batch * d.m * d.n * d.k
-        inline = getattr(cg, "inline", False)
+        # (a small channel-vector conv with a padded copy: one thread from Python today)
+        inline = getattr(cg, "inline", False) or getattr(cg, "small", False)
         if d.conv is not None:
             # a conv the pool would run stays a pool dispatch in the program of calls without
             # a helper (on a busy machine the pool still gives it two threads)
@@ -195,7 +196,9 @@ class GemmStep:
                 packed[key] = pack(constants[args[k]])
                 args[k] = key
         rows = isinstance(getattr(cg, "_no_side", None), np.ndarray)     # conv_rows.CompiledConvRows
-        if rows:
+        if self.pad_call() is not None:
+            args[1] = PAD_KEY       # a channel-vector conv reads its padded copy (pad_call's)
+        elif rows:
             # the row-reading conv's padded copy (made by its calls: PAD_KEY, or the input
             # itself), its side copy (none: shares_tiles) and the input
             args[1:2] = [b_name if cg.in_place else PAD_KEY, _NO_SIDE_KEY, b_name]
@@ -226,11 +229,23 @@ class GemmStep:
     def pad_scratch(self) -> int:
         """float32 elements of the buffer :data:`PAD_KEY` stands for in :meth:`driver_call`'s
         arguments: a row-reading conv's padded copy and the slack after it, which must stay
-        zero (so one buffer is shared only by convs of this same size); 0: none."""
+        zero (so one buffer is shared only by convs of this same size), or the padded copy a
+        channel-vector conv's :meth:`pad_call` makes; 0: none."""
         cg = self.compiled
+        if self.pad_call() is not None:
+            return cg.pad_size
         if not isinstance(getattr(cg, "_no_side", None), np.ndarray) or cg.in_place:
             return 0
         return cg.pad_size + cg.slack
+
+    def pad_call(self):
+        """``(address, extent)`` of the kernel a channel-vector conv runs first, from the input
+        (the step's second head operand) into the buffer :data:`PAD_KEY`; None: no such copy."""
+        pad = getattr(self.compiled, "pad", None)
+        if pad is None or not hasattr(self.compiled, "pad_size") or isinstance(
+                getattr(self.compiled, "_no_side", None), np.ndarray):
+            return None
+        return pad.address, pad.parallel_extent or 0
 
     @property
     def claims_tiles(self) -> bool:
