@@ -155,9 +155,11 @@ def _share_ab(args) -> None:
                     ts.append(time.perf_counter() - t0)
                 return float(np.median(ts)) * 1e3
 
+            from apollo_py.cpuload import cpu_busy, others_share, own_cpu
             res = {k: [] for k in (*arms, "ort")}
-            worst, loads = 0.0, []
+            worst, loads, others = 0.0, [], []
             for _ in range(args.rounds):
+                b0, o0, t0 = cpu_busy(), own_cpu(), time.perf_counter()
                 for which in arms:
                     arm(which)
                     res[which].append(timed(lambda: f(**feeds)))
@@ -167,13 +169,24 @@ def _share_ab(args) -> None:
                                            for g, r in zip(got, ref)))
                 res["ort"].append(timed(lambda: sess.run(None, feeds)))
                 loads.append(os.getloadavg()[0])
+                # what other processes ran during the round, in cores (the quiet rounds: < 0.4)
+                share = others_share(b0, o0, cpu_busy(), own_cpu(), time.perf_counter() - t0)
+                others.append((share or 0.0) * (os.cpu_count() or 1))
+            quiet = [r for r, o in enumerate(others) if o < 0.4]
+            if quiet:
+                print(f"{name}: {len(quiet)} of {len(others)} rounds with others under 0.4 core; their medians: " +
+                      ", ".join(f"{k} {np.median([res[k][r] for r in quiet]):.3f}" for k in (*arms, "ort")) +
+                      " ms; paired vs base: " + " / ".join(
+                          f"{k} {np.median([res[k][r] / res['base'][r] for r in quiet]):.3f}" for k in arms[1:]),
+                      flush=True)
             med = {k: float(np.median(v)) for k, v in res.items()}
             print(f"{name}: " + ", ".join(f"{k} {med[k]:.3f}" for k in (*arms, "ort")) + " ms; vs base " +
                   " / ".join(f"{k} {med[k] / med['base']:.3f}" for k in arms[1:]) + " (paired, median of rounds: " +
                   " / ".join(f"{np.median(np.array(res[k]) / np.array(res['base'])):.3f}" for k in arms[1:]) +
                   "); apollo/ort " +
                   " / ".join(f"{med[k] / med['ort']:.2f}" for k in arms) +
-                  f"; max rel err vs ort {worst:.1e}; load {min(loads):.1f}-{max(loads):.1f}", flush=True)
+                  f"; max rel err vs ort {worst:.1e}; load {min(loads):.1f}-{max(loads):.1f}, others' cores per round "
+                  f"median {np.median(others):.2f}", flush=True)
             del f
             gc.collect()
     finally:

@@ -343,7 +343,7 @@ class CpuExecutable:
         tables = arena.driver
         if tables is None:
             tables = arena.driver = drive.DriverTables(prog, arena, self.constants, self._offset)
-        helper = drive.helper_wanted() if prog.segments and drive.HELPER else False
+        helper = drive.helper_wanted() if drive.HELPER and (prog.segments or prog.big is not None) else False
         if helper and prog.big is not None:
             # the helper has a core for this call: the big GEMM / conv steps are driver steps
             # it shares (drive.SHARE_BIG); without it they stay pool dispatches

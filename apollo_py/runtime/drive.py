@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from .gemm_step import PAD_KEY
 from .threadpool import QUIET
 
 
@@ -268,20 +267,20 @@ def build_program(exe, inline, big: bool = False) -> Program:
                 scratch[ctr] = words = item.counter_words()
                 packed[_ZEROS] = _ZERO_WORDS
                 args = (*args[:-1], ctr)
-                if PAD_KEY in args:
-                    # a conv's padded copy: per arena, shared by the convs of its kind and size
-                    # only (a row-reading conv's slack after the copy is never written, so it
-                    # stays zero; a channel-vector conv's pad kernel writes all of it)
-                    n = item.pad_scratch()
-                    pad = f"{PAD_KEY}:{'cvec' if item.pad_call() else 'rows'}:{n}"
-                    scratch[pad] = -(-n // 2)
-                    args = tuple(pad if v == PAD_KEY else v for v in args)
+                # a conv's copies: per arena, shared by the convs of their kind and size only
+                # (a row-reading conv's slack after its padded copy and its side copy's columns
+                # past the tail are never written, so they stay zero)
+                subst = {}
+                for stand, (what, n) in item.scratch_buffers().items():
+                    subst[stand] = key = f"{stand}:{what}:{n}"
+                    scratch[key] = -(-n // 2)
+                args = tuple(subst.get(v, v) for v in args)
             ids = [idx(root.get(v, v)) for v in args]
             src = None
-            if tiles and (pre := item.pad_call()) is not None:
-                # a channel-vector conv's padded copy first (one call, on the calling thread)
+            if tiles and (pre := item.copy_call()) is not None:
+                # the copy first (one call, on the calling thread), from the conv's input
                 src = root.get(item.head_names()[1], item.head_names()[1])
-                cur["words"] += [0, pre[0], 0, pre[1], 2, idx(pad), idx(src)]
+                cur["words"] += [0, pre[0], 0, pre[1], 2, idx(subst[pre[2]]), idx(src)]
                 cur["extra"] += 1
                 cur["maxargs"] = max(cur["maxargs"], 2)
             if tiles:

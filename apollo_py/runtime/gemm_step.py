@@ -19,6 +19,8 @@ _COUNTER_KEY = "\0tile_counter"
 _NO_COUNTER = np.zeros(2, np.int64)
 #: the stand-in argument of a row-reading conv's padded copy (a per-arena buffer, runtime/drive.py)
 PAD_KEY = "\0conv_pad"
+#: ... and of a row-reading conv's side copy (its last, partial panel's columns)
+SIDE_KEY = "\0conv_side"
 _NO_SIDE_KEY = "\0no_side"
 #: a generated matmul below this many flops is run by the native driver on a 2-thread pool even
 #: when it is too large for the calling thread alone (``CompiledGemm.inline``): as a step that
@@ -139,8 +141,8 @@ class GemmStep:
     def shares_tiles(self, big: bool = False) -> bool:
         """True for a tile-claiming kernel the driver may run as one step shared with a helper
         thread (see ``SHARED_MAX_FLOPS``): a generated matmul, or (``SHARE_CONVS``) a conv on
-        the implicit GEMM, the channel-vector kernel (no padded copy from Python) or the
-        row-reading kernel (no side copy), of at least two tiles and ``SHARED_MIN_FLOPS``
+        the implicit GEMM, the channel-vector or the row-reading kernel (their copies made by
+        a kernel step first, :meth:`copy_call`), of at least two tiles and ``SHARED_MIN_FLOPS``
         flops; a matmul below ``SHARED_MAX_FLOPS``, a conv only when ``inline`` -- any size
         when ``big``: the program of the calls that get the helper, runtime/drive.py)."""
         from ..codegen.conv_cvec import CompiledConvCvec
@@ -155,7 +157,7 @@ class GemmStep:
             if not SHARE_CONVS:
                 return False
         elif kind is CompiledConvRows:
-            if not SHARE_CONVS or cg.tail:
+            if not SHARE_CONVS:
                 return False
         else:
             return False
@@ -175,8 +177,8 @@ class GemmStep:
         """What the native driver (runtime/drive.py) needs to run this step as one kernel call
         on the calling thread: ``(address, extent, args, packed)`` where ``args`` names the
         kernel's buffers in order (graph values, or keys of ``packed``: the constant operands
-        packed now, once; a row-reading conv's padded copy is :data:`PAD_KEY`, its buffer
-        :meth:`pad_scratch`) -- or None when the step must run from Python: it runs on the thread
+        packed now, once; a conv's copies are :data:`PAD_KEY` / :data:`SIDE_KEY`, per-arena
+        buffers, :meth:`scratch_buffers`) -- or None when the step must run from Python: it runs on the thread
         pool, writes a value the runtime does not bind, or reads a value that is not float32.
         ``shared``: the caller will share the step with a helper thread, so a step that
         :meth:`shares_tiles` (``big``: of any size) qualifies even if it is not ``inline``."""
@@ -196,13 +198,14 @@ class GemmStep:
                 packed[key] = pack(constants[args[k]])
                 args[k] = key
         rows = isinstance(getattr(cg, "_no_side", None), np.ndarray)     # conv_rows.CompiledConvRows
-        if self.pad_call() is not None:
-            args[1] = PAD_KEY       # a channel-vector conv reads its padded copy (pad_call's)
-        elif rows:
+        if rows:
             # the row-reading conv's padded copy (made by its calls: PAD_KEY, or the input
-            # itself), its side copy (none: shares_tiles) and the input
-            args[1:2] = [b_name if cg.in_place else PAD_KEY, _NO_SIDE_KEY, b_name]
-            packed[_NO_SIDE_KEY] = cg._no_side
+            # itself), its side copy (SIDE_KEY, copy_call's) and the input
+            args[1:2] = [b_name if cg.in_place else PAD_KEY, SIDE_KEY if cg.tail else _NO_SIDE_KEY, b_name]
+            if not cg.tail:
+                packed[_NO_SIDE_KEY] = cg._no_side
+        elif self.copy_call() is not None:
+            args[1] = PAD_KEY       # a channel-vector conv reads its padded copy (copy_call's)
         args += [o.value for o in d.operands]
         for v, shape, dt in self._stored:
             t = types.get(v)
@@ -215,7 +218,7 @@ class GemmStep:
             # (a shared step gets a zeroed one of its own: runtime/drive.py)
             packed[_COUNTER_KEY] = _NO_COUNTER
             args.append(_COUNTER_KEY)
-        if any(v not in packed and v != PAD_KEY and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
+        if any(v not in packed and v not in (PAD_KEY, SIDE_KEY) and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
             return None
         if len(args) != len(kernel.params):
             return None
@@ -226,26 +229,41 @@ class GemmStep:
         padded copy's chunks, then its tiles)."""
         return 4 if isinstance(getattr(self.compiled, "_no_side", None), np.ndarray) else 2
 
-    def pad_scratch(self) -> int:
-        """float32 elements of the buffer :data:`PAD_KEY` stands for in :meth:`driver_call`'s
-        arguments: a row-reading conv's padded copy and the slack after it, which must stay
-        zero (so one buffer is shared only by convs of this same size), or the padded copy a
-        channel-vector conv's :meth:`pad_call` makes; 0: none."""
+    def scratch_buffers(self) -> dict:
+        """``{PAD_KEY | SIDE_KEY: (kind, float32 elements)}``: the per-arena buffers that the
+        stand-ins in :meth:`driver_call`'s arguments name.  A row-reading conv's padded copy and
+        the slack after it, which must stay zero, and its side copy (the columns past the tail
+        stay zero): shared only by the convs of that same kind and size; a channel-vector
+        conv's padded copy, which its pad kernel writes whole."""
         cg = self.compiled
-        if self.pad_call() is not None:
-            return cg.pad_size
-        if not isinstance(getattr(cg, "_no_side", None), np.ndarray) or cg.in_place:
-            return 0
-        return cg.pad_size + cg.slack
+        out = {}
+        if isinstance(getattr(cg, "_no_side", None), np.ndarray):
+            if not cg.in_place:
+                out[PAD_KEY] = ("rows", cg.pad_size + cg.slack)
+            if cg.tail:
+                d = cg.desc
+                out[SIDE_KEY] = (f"side{cg.tail}", d.batch * d.k * cg.blocking.nr)
+        elif getattr(cg, "pad", None) is not None and hasattr(cg, "pad_size"):
+            out[PAD_KEY] = ("cvec", cg.pad_size)
+        return out
 
-    def pad_call(self):
-        """``(address, extent)`` of the kernel a channel-vector conv runs first, from the input
-        (the step's second head operand) into the buffer :data:`PAD_KEY`; None: no such copy."""
-        pad = getattr(self.compiled, "pad", None)
-        if pad is None or not hasattr(self.compiled, "pad_size") or isinstance(
-                getattr(self.compiled, "_no_side", None), np.ndarray):
+    def copy_call(self):
+        """``(address, extent, stand-in)`` of the kernel the driver runs before the step, from
+        the input (the second head operand) into the buffer ``stand-in`` names: a channel-vector
+        conv's padded copy, a row-reading conv's side copy (the tail columns of each channel,
+        :func:`side_kernel`); None: none."""
+        cg = self.compiled
+        if isinstance(getattr(cg, "_no_side", None), np.ndarray):
+            if not cg.tail:
+                return None
+            k = self.__dict__.get("_side_kernel")
+            if k is None:
+                k = self.__dict__["_side_kernel"] = side_kernel(cg)
+            return k.address, k.parallel_extent or 0, SIDE_KEY
+        pad = getattr(cg, "pad", None)
+        if pad is None or not hasattr(cg, "pad_size"):
             return None
-        return pad.address, pad.parallel_extent or 0
+        return pad.address, pad.parallel_extent or 0, PAD_KEY
 
     @property
     def claims_tiles(self) -> bool:
@@ -360,3 +378,21 @@ def tuned_blocking(d, decision, base=None):
             bl = cand
     t = decision.get("threads")
     return bl, (t == 1) if t in (1, 2) else None
+
+
+def side_kernel(cg):
+    """The compiled kernel ``side[t][j] = x[t][hw - tail + j]`` (``j < tail``, ``t`` over image *
+    channel) of row-reading conv ``cg`` read in place: what ``CompiledConvRows.run`` makes in
+    numpy per call, for the native driver (the other ``NR - tail`` columns of the buffer stay
+    zero: runtime/drive.py allocates it zeroed and nothing else writes them)."""
+    from ..codegen import loopir as L
+    from ..codegen.cached import compile_cached
+    d, g = cg.desc, cg.desc.conv
+    hw, nr, tail = g.h * g.w, cg.blocking.nr, cg.tail
+    rows = d.batch * d.k
+    side = L.Param("side", "float32", rows * nr)
+    x = L.Param("x", "float32", rows * hw)
+    t, j = L.Var("t"), L.Var("j")
+    body = L.for_("t", 0, rows, L.for_("j", 0, tail, L.Store(side, t * nr + j, L.Load(x, t * hw + (hw - tail) + j)),
+                                       "vector"), "parallel")
+    return compile_cached(L.Kernel(f"{d.name}_side", (side, x), body, "t", rows), None)

@@ -19,21 +19,25 @@ from apollo_py.runtime.gemm_step import GemmStep
 from ..conv.models import ort_run
 from .test_driver_helper import _rebuild, eager_helper
 
-# (cout, kernel, activation) per layer; pixels / channels pick the kernels (pinned below)
+# input shape, (cout, kernel, activation) per layer, the kernels they pick and how many of the
+# convs need a copy made first (a channel-vector conv's padded copy, a row-reading conv's side
+# copy: GemmStep.copy_call), pinned below
 MODELS = {
     # 56x56: a 1x1 24->64 conv on the implicit GEMM (9.6 MFLOP: the calling thread's), a padded
     # 3x3 and an in-place 1x1 on the row-reading kernel (231 / 103 MFLOP: the pool's)
     "rows": ((1, 24, 56, 56), ((64, 1, "Relu"), (64, 3, "Relu"), (128, 1, None)),
-             ["CompiledGemm", "CompiledConvRows", "CompiledConvRows"]),
+             ["CompiledGemm", "CompiledConvRows", "CompiledConvRows"], 0),
+    # 28x28: in-place 1x1 row-reading convs whose 784 pixels end in a partial panel (side copies)
+    "rows_tail": ((1, 128, 28, 28), ((512, 1, "Relu"), (128, 1, None)), ["CompiledConvRows"] * 2, 2),
     # 14x14: channel-vector 1x1 convs of 5.8 MFLOP (inline), 48.5 and 29.5 MFLOP (the pool's),
     # a 3x3 of 44 MFLOP with a padded copy (the pad kernel, then the tiles)
     "cvec": ((1, 80, 14, 14), ((184, 1, "HardSwish"), (672, 1, "Relu"), (112, 1, None), (112, 3, None)),
-             ["CompiledConvCvec"] * 4),
+             ["CompiledConvCvec"] * 4, 1),
 }
 
 
 def _model(name, seed=3):
-    shape, layers, _ = MODELS[name]
+    shape, layers = MODELS[name][:2]
     rng = np.random.default_rng(seed)
     nodes, inits, cur, cin = [], [], "x", shape[1]
     for q, (cout, k, act) in enumerate(layers):
@@ -57,6 +61,11 @@ def compiled(request):
     f = apollo_py.jit(m, options=Options(num_threads=2))
     f(x=x)
     return request.param, m, x, f, f.specialization({"x": x.shape})
+
+
+def _tables(exe):
+    """The driver tables of the arena the last call used (a free list: it went back last)."""
+    return exe._arenas._free[-1].driver
 
 
 def _gemms(prog):
@@ -83,6 +92,7 @@ def test_kernels_and_programs(compiled, monkeypatch):
     kinds = MODELS[name][2]
     convs = [item for kind, item in exe._schedule if kind == "step" and isinstance(item, GemmStep)]
     assert [type(s.compiled).__name__ for s in convs] == kinds
+    assert sum(s.copy_call() is not None for s in convs) == MODELS[name][3]
     monkeypatch.setattr(drive, "HELPER", True)
     monkeypatch.setattr(drive, "SHARE_BIG", True)
     _rebuild(exe)
@@ -97,7 +107,7 @@ def test_kernels_and_programs(compiled, monkeypatch):
     big = prog.big
     assert big is not None and len(big.entries) == 1 and big.segments[0].parallel
     assert _gemms(big) == convs and _parallel_words(big.segments[0]) == len(convs)
-    assert exe._arenas._free[0].driver.big is not None
+    assert _tables(exe).big is not None
 
 
 def test_same_numbers_helper_on_off_busy_and_onnxruntime(compiled, monkeypatch):
@@ -112,7 +122,7 @@ def test_same_numbers_helper_on_off_busy_and_onnxruntime(compiled, monkeypatch):
     _rebuild(exe)
     for _ in range(10):
         np.testing.assert_array_equal(f(x=x), alone)
-    sync = exe._arenas._free[0].driver.big.sync
+    sync = _tables(exe).big.sync
     assert (sync[6], sync[8]) in ((1, 1), (2, 0)), list(sync)
     # the busy-box path of HELPER "auto": the first program, no helper
     monkeypatch.setattr(drive, "HELPER", "auto")
@@ -146,5 +156,5 @@ def test_helper_that_joins_first(compiled, monkeypatch):
     for t in started:
         t.join(10)
         assert not t.is_alive()
-    sync = exe._arenas._free[0].driver.big.sync
+    sync = _tables(exe).big.sync
     assert sync[6] == 1 and sync[8] == 1
