@@ -158,3 +158,31 @@ def test_helper_that_joins_first(compiled, monkeypatch):
         assert not t.is_alive()
     sync = _tables(exe).big.sync
     assert sync[6] == 1 and sync[8] == 1
+
+
+def test_concurrent_calls_have_their_own_buffers(compiled, monkeypatch):
+    """Two calls at once run the big program in two arenas: their counters and padded / side
+    copies are the arenas' own."""
+    import threading
+    name, m, x, f, exe = compiled
+    monkeypatch.setattr(drive, "HELPER", True)
+    _rebuild(exe)
+    xs = [x, x[:, ::-1].copy()]
+    wants = [f(x=v).copy() for v in xs]
+    errors = []
+
+    def loop(q):
+        try:
+            for _ in range(15):
+                np.testing.assert_array_equal(f(x=xs[q]), wants[q])
+        except BaseException as exc:      # noqa: BLE001 - reported below
+            errors.append(exc)
+    ts = [threading.Thread(target=loop, args=(q,)) for q in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in ts)
+    bigs = [a.driver.big for a in exe._arenas._free if a.driver is not None and a.driver.big is not None]
+    if len(bigs) == 2:
+        assert not set(map(id, bigs[0].scratch.values())) & set(map(id, bigs[1].scratch.values()))
