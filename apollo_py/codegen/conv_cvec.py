@@ -40,6 +40,9 @@ from apollo_py.errors import CompileError
 
 #: switch for A/B measurements in one process (benchmarks); the plan says which path runs
 ENABLED = True
+#: small convs (below ``SMALL_CONV_FLOPS``) get the parallel split too, so that the driver's
+#: helper thread can share them (False: one tile per panel, the one-thread layout)
+SMALL_SPLIT = True
 #: output planes of at most this many pixels take this kernel (larger: conv_rows / implicit GEMM)
 MAX_PIXELS = 196
 
@@ -530,7 +533,9 @@ def compile_conv_cvec(d, threads: int, bl: Optional[CvecBlocking] = None,
     bl = bl or cvec_blocking(g, d.m, host_blocking().vl)
     if bl.nr % bl.vl or bl.vl & (bl.vl - 1) or bl.rb * bl.cb * bl.nv > _registers(bl.vl) - bl.nv:
         raise CompileError(f"{d.name}: channel-vector blocking {bl} does not fit the registers")
-    lay = cvec_layout(d, bl, 1 if small else threads)
+    # a small conv runs on the calling thread, or shared with the native driver's helper
+    # (runtime/gemm_step.py, shares_tiles): split for that many threads (SMALL_SPLIT)
+    lay = cvec_layout(d, bl, threads if SMALL_SPLIT or not small else 1)
     geom = cvec_geom(g)
     pad = None if geom.in_place else _pad_kernel(d, geom)
     epi = _epilogue_kernel(d, Blocking(bl.vl, bl.nr, lay.ps))     # tile rows: NR channels of ps pixels

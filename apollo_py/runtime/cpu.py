@@ -343,12 +343,19 @@ class CpuExecutable:
         tables = arena.driver
         if tables is None:
             tables = arena.driver = drive.DriverTables(prog, arena, self.constants, self._offset)
+        helper = drive.helper_wanted() if drive.HELPER and (prog.segments or prog.big is not None) else False
+        if helper and prog.big is not None:
+            # the helper has a core for this call: the big GEMM / conv steps are driver steps
+            # it shares (drive.SHARE_BIG); without it they stay pool dispatches
+            prog = prog.big
+            tables = tables.big or drive.DriverTables(prog, arena, self.constants, self._offset)
+            arena.driver.big = tables
         env = tables.env.copy()
         env.update(feeds)
         offset = self._offset
         for kind, item in prog.entries:
             if kind == "drive":
-                drive.run_segment(self, prog.segments[item], tables, item, env, out, arena, offset)
+                drive.run_segment(self, prog.segments[item], tables, item, env, out, arena, offset, helper)
             else:
                 self._dispatch(kind, item, env, out, arena)
         return env

@@ -40,6 +40,13 @@ from .threadpool import QUIET
 HELPER: "bool | str" = "auto"
 #: ... when they do at least this many flops or move this many bytes (GemmStep.work)
 HELPER_MIN_WORK = 1 << 20
+#: the tile-claiming GEMM / conv steps too large for the rule of ``gemm_step.SHARED_MAX_FLOPS``
+#: (pool dispatches from Python, each ~10-20 us of Python plus a worker's wake-up) run as
+#: helper-shared driver steps in a second program (``Program.big``), used by the calls that get
+#: the helper (``HELPER`` True, or "auto" while the gate finds the cores free); a call without
+#: the helper runs the first program, so on a busy machine the big steps keep the pool's two
+#: threads (docs/design/driver.md, "Big steps in the driver")
+SHARE_BIG = True
 #: judges, for HELPER "auto", whether the cores are free of other processes (the pool's gate)
 _QUIET = QUIET
 
@@ -84,7 +91,7 @@ class DriverTables:
             if a is not None:
                 self.values[i] = a.ctypes.data
         # per arena, zeroed by the program before each use: two calls in two arenas never share one
-        self.scratch = {v: np.zeros(n, np.int64) for v, n in (program.scratch or {}).items()}
+        self.scratch = {v: _aligned_words(n) for v, n in (program.scratch or {}).items()}
         for v, a in self.scratch.items():
             self.values[program.index[v]] = a.ctypes.data
         self.values_address = ctypes.addressof(self.values)
@@ -106,6 +113,8 @@ class DriverTables:
                 seg.address, seg.nsteps, self.values_address, seg.maxargs, ctypes.addressof(arr),
                 len(seg.dynamic) if offset is not None else 0, offset or 0, 0)
             self.blocks.append((blk, ctypes.addressof(blk)))
+        #: the tables of ``program.big`` (made on the first call that runs it)
+        self.big = None
 
 
 @dataclass
@@ -117,13 +126,23 @@ class Program:
     segments: list
     index: dict
     constants: dict
-    #: per-arena int64 buffers by key and length (the tile counters of shared GEMM steps)
+    #: per-arena int64 buffers by key and length (the tile counters of shared GEMM steps, the
+    #: padded copies of shared row-reading convs)
     scratch: dict = None
+    #: the program with the big steps shared too (``SHARE_BIG``; None: none, or not built)
+    big: "Program | None" = None
 
 
 #: the zeros a shared GEMM step's tile counter is reset from (read only)
 _ZEROS = "\0zeros"
-_ZERO_WORDS = np.zeros(2, np.int64)
+_ZERO_WORDS = np.zeros(4, np.int64)
+
+
+def _aligned_words(n: int) -> np.ndarray:
+    """``n`` zero int64 words, 64-byte aligned (a padded copy's rows are read with aligned loads)."""
+    raw = np.zeros(n + 8, np.int64)
+    skip = (-raw.ctypes.data % 64) // 8
+    return raw[skip:skip + n]
 
 
 def _blas_words(step, index, root, types) -> list | None:
@@ -155,10 +174,12 @@ def _blas_words(step, index, root, types) -> list | None:
                    index(root.get(d.b, d.b)), ldb, index(d.out), d.n]
 
 
-def build_program(exe, inline) -> Program:
+def build_program(exe, inline, big: bool = False) -> Program:
     """Split ``exe``'s schedule (a CpuExecutable) into driver segments and Python entries;
     ``inline(step)`` says whether a schedule entry's single step is a kernel that runs on the
-    calling thread."""
+    calling thread.  ``big``: tile-claiming steps of any size are shared driver steps (the
+    program of calls that get the helper, ``SHARE_BIG``); otherwise, where ``SHARE_BIG`` is on
+    and that changes anything, the result's ``big`` is that program."""
     from ..codegen import driver as D
     from .blas import BlasStep
     from .gemm_step import GemmStep
@@ -230,11 +251,11 @@ def build_program(exe, inline) -> Program:
         elif kind == "step" and getattr(item, "noop", False):
             continue        # a concat whose inputs were all written in place (runtime/concat.py)
         elif kind == "step" and isinstance(item, GemmStep) \
-                and (call := item.driver_call(exe.constants, graph.types, shared=share)) is not None:
+                and (call := item.driver_call(exe.constants, graph.types, shared=share, big=big)) is not None:
             s = item        # a generated GEMM or direct conv
             address, extent, args, more = call
             par = threads > 1 and extent > 1 and item.work() >= HELPER_MIN_WORK and not item.claims_tiles
-            tiles = share and item.shares_tiles()
+            tiles = share and item.shares_tiles(big)
             if (par or tiles) and cur.get("blas"):
                 flush()
             start(k)
@@ -243,12 +264,28 @@ def build_program(exe, inline) -> Program:
                 # caller and helper each make one call (chunks [0, 1) and [1, 2)) claiming tiles
                 # from this step's counter in the arena, zeroed first (codegen/gemm_ir.py)
                 ctr = f"\0tile_counter:{k}"
-                scratch[ctr] = 2
+                scratch[ctr] = words = item.counter_words()
                 packed[_ZEROS] = _ZERO_WORDS
                 args = (*args[:-1], ctr)
+                # a conv's copies: per arena, shared by the convs of their kind and size only
+                # (a row-reading conv's slack after its padded copy and its side copy's columns
+                # past the tail are never written, so they stay zero)
+                subst = {}
+                for stand, (what, n) in item.scratch_buffers().items():
+                    subst[stand] = key = f"{stand}:{what}:{n}"
+                    scratch[key] = -(-n // 2)
+                args = tuple(subst.get(v, v) for v in args)
             ids = [idx(root.get(v, v)) for v in args]
+            src = None
+            if tiles and (pre := item.copy_call()) is not None:
+                # the copy first (one call, on the calling thread), from the conv's input
+                src = root.get(item.head_names()[1], item.head_names()[1])
+                cur["words"] += [0, pre[0], 0, pre[1], 2, idx(subst[pre[2]]), idx(src)]
+                cur["extra"] += 1
+                cur["maxargs"] = max(cur["maxargs"], 2)
             if tiles:
-                cur["words"] += [D.COPY, idx(ctr), idx(_ZEROS), 16, D.PARALLEL, address, 1, 2, len(args), *ids]
+                cur["words"] += [D.COPY, idx(ctr), idx(_ZEROS), 8 * words, D.PARALLEL, address, 1, 2, len(args),
+                                 *ids]
                 cur["extra"] += 1
                 cur["parallel"] = True
             elif par:
@@ -259,7 +296,7 @@ def build_program(exe, inline) -> Program:
             else:
                 cur["words"] += [0, address, 0, extent, len(args), *ids]
             cur["maxargs"] = max(cur["maxargs"], len(args))
-            vals = [root.get(v, v) for v in args if v not in more and v not in scratch]
+            vals = [root.get(v, v) for v in args if v not in more and v not in scratch] + ([src] if src else [])
         elif kind == "step" and item.outputs and item.outputs[0] in root and not hasattr(item, "execute"):
             start(k)       # a reshape: a view made before the segment runs
             cur["views"].append((item.outputs[0], item.inputs[0], tuple(graph.types[item.outputs[0]].shape)))
@@ -277,11 +314,24 @@ def build_program(exe, inline) -> Program:
     flush()
     consts = {v: exe.constants[v] for v in index if v in exe.constants}
     consts.update(packed)
-    return Program(entries, segments, index, consts, scratch)
+    prog = Program(entries, segments, index, consts, scratch)
+    if SHARE_BIG and share and not big:
+        other = build_program(exe, inline, big=True)
+        if len(other.entries) < len(entries):
+            prog.big = other
+    return prog
 
 
-def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out, arena, offset) -> None:
-    """Bind ``seg``'s outputs and views in ``env``, then run it with one native call."""
+def helper_wanted() -> bool:
+    """Whether this call asks for the helper thread: ``HELPER`` True, or "auto" while the gate
+    finds two cores free of other processes."""
+    return HELPER is True or (bool(HELPER) and _QUIET())
+
+
+def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out, arena, offset,
+                helper: bool = True) -> None:
+    """Bind ``seg``'s outputs and views in ``env``, then run it with one native call (a parallel
+    segment with the helper thread where ``helper``, the call's :func:`helper_wanted`)."""
     fresh = exe._fresh
     for v in seg.fresh:
         if v in out:
@@ -303,7 +353,7 @@ def run_segment(exe, seg: Segment, tables: DriverTables, k: int, env: dict, out,
             objs[2 * j + 1] = id(a)
     block, block_address = tables.blocks[k]
     if seg.parallel:
-        block[7] = (HELPER is True or _QUIET()) and _start_helper(exe._pool, tables) or 0
+        block[7] = helper and _start_helper(exe._pool, tables) or 0
     exe._driver_fn(block_address)
 
 

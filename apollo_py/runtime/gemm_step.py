@@ -17,6 +17,11 @@ from ..errors import InputError
 #: the stand-in tile-counter argument of a generated GEMM run by the native driver
 _COUNTER_KEY = "\0tile_counter"
 _NO_COUNTER = np.zeros(2, np.int64)
+#: the stand-in argument of a row-reading conv's padded copy (a per-arena buffer, runtime/drive.py)
+PAD_KEY = "\0conv_pad"
+#: ... and of a row-reading conv's side copy (its last, partial panel's columns)
+SIDE_KEY = "\0conv_side"
+_NO_SIDE_KEY = "\0no_side"
 #: a generated matmul below this many flops is run by the native driver on a 2-thread pool even
 #: when it is too large for the calling thread alone (``CompiledGemm.inline``): as a step that
 #: the segment's helper thread shares (runtime/drive.py), the two threads claiming tiles from
@@ -31,6 +36,10 @@ SHARED_MAX_FLOPS = 1 << 25
 #: ... and from this many flops (~2 us on one core): below, one thread does it before the
 #: helper has claimed a tile
 SHARED_MIN_FLOPS = 1 << 19
+#: convs too (the implicit GEMM, the channel-vector and the row-reading kernels claim tiles from
+#: a counter like the generated matmul): False keeps every conv a one-thread step or a pool
+#: dispatch (A/B: benchmarks/helper_ab.py --share)
+SHARE_CONVS = True
 
 
 @dataclass
@@ -129,29 +138,53 @@ class GemmStep:
         a_name, b_name = getattr(d, "a_value", "") or self.inputs[0], getattr(d, "b_value", "") or self.inputs[1]
         return (b_name, a_name) if d.conv is not None else (a_name, b_name)
 
-    def shares_tiles(self) -> bool:
-        """True for a generated matmul (not a conv) of at least two tiles and
-        ``SHARED_MIN_FLOPS`` to ``SHARED_MAX_FLOPS`` flops (any size when ``inline``): the
-        driver may run it as one step shared with a helper thread (see ``SHARED_MAX_FLOPS``)."""
+    def shares_tiles(self, big: bool = False) -> bool:
+        """True for a tile-claiming kernel the driver may run as one step shared with a helper
+        thread (see ``SHARED_MAX_FLOPS``): a generated matmul, or (``SHARE_CONVS``) a conv on
+        the implicit GEMM, the channel-vector or the row-reading kernel (their copies made by
+        a kernel step first, :meth:`copy_call`), of at least two tiles and ``SHARED_MIN_FLOPS``
+        flops; a matmul below ``SHARED_MAX_FLOPS``, a conv only when ``inline`` -- any size
+        when ``big``: the program of the calls that get the helper, runtime/drive.py)."""
+        from ..codegen.conv_cvec import CompiledConvCvec
+        from ..codegen.conv_rows import CompiledConvRows
         from ..codegen.gemm import CompiledGemm
         cg = self.compiled
-        if type(cg) is not CompiledGemm or cg.desc.conv is not None or cg.layout.tiles < 2:
+        kind = type(cg)
+        if kind is CompiledGemm:
+            if cg.desc.conv is not None and not SHARE_CONVS:
+                return False
+        elif kind is CompiledConvCvec:
+            if not SHARE_CONVS:
+                return False
+        elif kind is CompiledConvRows:
+            if not SHARE_CONVS:
+                return False
+        else:
+            return False
+        if cg.layout.tiles < 2:
             return False
         d = cg.desc
         flops = 2 * d.batch * d.m * d.n * d.k
-        return flops >= SHARED_MIN_FLOPS and (cg.inline or flops < SHARED_MAX_FLOPS)
+        # (a small channel-vector conv with a padded copy: one thread from Python today)
+        inline = getattr(cg, "inline", False) or getattr(cg, "small", False)
+        if d.conv is not None:
+            # a conv the pool would run stays a pool dispatch in the program of calls without
+            # a helper (on a busy machine the pool still gives it two threads)
+            return flops >= SHARED_MIN_FLOPS and (inline or big)
+        return flops >= SHARED_MIN_FLOPS and (inline or big or flops < SHARED_MAX_FLOPS)
 
-    def driver_call(self, constants: dict, types: dict, shared: bool = False):
+    def driver_call(self, constants: dict, types: dict, shared: bool = False, big: bool = False):
         """What the native driver (runtime/drive.py) needs to run this step as one kernel call
         on the calling thread: ``(address, extent, args, packed)`` where ``args`` names the
         kernel's buffers in order (graph values, or keys of ``packed``: the constant operands
-        packed now, once) -- or None when the step must run from Python: it runs on the thread
+        packed now, once; a conv's copies are :data:`PAD_KEY` / :data:`SIDE_KEY`, per-arena
+        buffers, :meth:`scratch_buffers`) -- or None when the step must run from Python: it runs on the thread
         pool, writes a value the runtime does not bind, or reads a value that is not float32.
         ``shared``: the caller will share the step with a helper thread, so a step that
-        :meth:`shares_tiles` qualifies even if it is not ``inline``."""
+        :meth:`shares_tiles` (``big``: of any size) qualifies even if it is not ``inline``."""
         cg = self.compiled
         d = cg.desc
-        if not (getattr(cg, "inline", False) or (shared and self.shares_tiles())) or not prod(d.out_shape):
+        if not (getattr(cg, "inline", False) or (shared and self.shares_tiles(big))) or not prod(d.out_shape):
             return None
         kernel = getattr(cg, "main", None) or getattr(cg, "kernel", None)
         a_name, b_name = self.head_names()
@@ -164,6 +197,15 @@ class GemmStep:
                 key = f"\0packed_{'ab'[k]}:{d.name}:{args[k]}"
                 packed[key] = pack(constants[args[k]])
                 args[k] = key
+        rows = isinstance(getattr(cg, "_no_side", None), np.ndarray)     # conv_rows.CompiledConvRows
+        if rows:
+            # the row-reading conv's padded copy (made by its calls: PAD_KEY, or the input
+            # itself), its side copy (SIDE_KEY, copy_call's) and the input
+            args[1:2] = [b_name if cg.in_place else PAD_KEY, SIDE_KEY if cg.tail else _NO_SIDE_KEY, b_name]
+            if not cg.tail:
+                packed[_NO_SIDE_KEY] = cg._no_side
+        elif self.copy_call() is not None:
+            args[1] = PAD_KEY       # a channel-vector conv reads its padded copy (copy_call's)
         args += [o.value for o in d.operands]
         for v, shape, dt in self._stored:
             t = types.get(v)
@@ -173,13 +215,55 @@ class GemmStep:
         if self.claims_tiles:
             # the generated GEMM's tile counter: a call of the whole tile range keeps its own
             # on the stack (codegen/gemm_ir.py), so one never-written buffer serves every step
+            # (a shared step gets a zeroed one of its own: runtime/drive.py)
             packed[_COUNTER_KEY] = _NO_COUNTER
             args.append(_COUNTER_KEY)
-        if any(v not in packed and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
+        if any(v not in packed and v not in (PAD_KEY, SIDE_KEY) and np.dtype(types[v].np_dtype) != np.float32 for v in args[:2]):
             return None
         if len(args) != len(kernel.params):
             return None
         return kernel.address, kernel.parallel_extent or 0, tuple(args), packed
+
+    def counter_words(self) -> int:
+        """int64 words of the kernel's shared counter (the row-reading conv's has four: its
+        padded copy's chunks, then its tiles)."""
+        return 4 if isinstance(getattr(self.compiled, "_no_side", None), np.ndarray) else 2
+
+    def scratch_buffers(self) -> dict:
+        """``{PAD_KEY | SIDE_KEY: (kind, float32 elements)}``: the per-arena buffers that the
+        stand-ins in :meth:`driver_call`'s arguments name.  A row-reading conv's padded copy and
+        the slack after it, which must stay zero, and its side copy (the columns past the tail
+        stay zero): shared only by the convs of that same kind and size; a channel-vector
+        conv's padded copy, which its pad kernel writes whole."""
+        cg = self.compiled
+        out = {}
+        if isinstance(getattr(cg, "_no_side", None), np.ndarray):
+            if not cg.in_place:
+                out[PAD_KEY] = ("rows", cg.pad_size + cg.slack)
+            if cg.tail:
+                d = cg.desc
+                out[SIDE_KEY] = (f"side{cg.tail}", d.batch * d.k * cg.blocking.nr)
+        elif getattr(cg, "pad", None) is not None and hasattr(cg, "pad_size"):
+            out[PAD_KEY] = ("cvec", cg.pad_size)
+        return out
+
+    def copy_call(self):
+        """``(address, extent, stand-in)`` of the kernel the driver runs before the step, from
+        the input (the second head operand) into the buffer ``stand-in`` names: a channel-vector
+        conv's padded copy, a row-reading conv's side copy (the tail columns of each channel,
+        :func:`side_kernel`); None: none."""
+        cg = self.compiled
+        if isinstance(getattr(cg, "_no_side", None), np.ndarray):
+            if not cg.tail:
+                return None
+            k = self.__dict__.get("_side_kernel")
+            if k is None:
+                k = self.__dict__["_side_kernel"] = side_kernel(cg)
+            return k.address, k.parallel_extent or 0, SIDE_KEY
+        pad = getattr(cg, "pad", None)
+        if pad is None or not hasattr(cg, "pad_size"):
+            return None
+        return pad.address, pad.parallel_extent or 0, PAD_KEY
 
     @property
     def claims_tiles(self) -> bool:
@@ -294,3 +378,21 @@ def tuned_blocking(d, decision, base=None):
             bl = cand
     t = decision.get("threads")
     return bl, (t == 1) if t in (1, 2) else None
+
+
+def side_kernel(cg):
+    """The compiled kernel ``side[t][j] = x[t][hw - tail + j]`` (``j < tail``, ``t`` over image *
+    channel) of row-reading conv ``cg`` read in place: what ``CompiledConvRows.run`` makes in
+    numpy per call, for the native driver (the other ``NR - tail`` columns of the buffer stay
+    zero: runtime/drive.py allocates it zeroed and nothing else writes them)."""
+    from ..codegen import loopir as L
+    from ..codegen.cached import compile_cached
+    d, g = cg.desc, cg.desc.conv
+    hw, nr, tail = g.h * g.w, cg.blocking.nr, cg.tail
+    rows = d.batch * d.k
+    side = L.Param("side", "float32", rows * nr)
+    x = L.Param("x", "float32", rows * hw)
+    t, j = L.Var("t"), L.Var("j")
+    body = L.for_("t", 0, rows, L.for_("j", 0, tail, L.Store(side, t * nr + j, L.Load(x, t * hw + (hw - tail) + j)),
+                                       "vector"), "parallel")
+    return compile_cached(L.Kernel(f"{d.name}_side", (side, x), body, "t", rows), None)

@@ -88,7 +88,9 @@ def test_residual_epilogue_and_1d_conv(always_cvec):
 
 def test_small_in_place_conv_runs_inside_the_driver():
     """Below SMALL_CONV_FLOPS a conv that reads its input in place is one native driver step (no
-    Python between steps); one that needs a padded copy runs from Python on the calling thread."""
+    Python between steps); one that needs a padded copy runs from Python on the calling thread --
+    unless the driver shares it with its helper (runtime/drive.py, a 2-thread pool): then it is a
+    driver step too, its pad kernel a kernel step before it (GemmStep.copy_call)."""
     from apollo_py.runtime.gemm_step import GemmStep
     from onnx import helper, numpy_helper
     import onnx
@@ -110,8 +112,23 @@ def test_small_in_place_conv_runs_inside_the_driver():
     assert [type(s.compiled).__name__ for s in gemms] == ["CompiledConvCvec"] * 2
     assert [s.compiled.inline for s in gemms] == [True, False]
     driven = [s for seg in exe._program.segments for s in seg.steps if isinstance(s, GemmStep)]
-    assert driven == gemms[:1]
+    assert driven == gemms
     np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    from apollo_py.runtime import drive
+    saved = drive.HELPER
+    try:
+        drive.HELPER = False        # no helper: the padded conv runs from Python as before
+        exe._program = None
+        for a in exe._arenas._free:
+            a.driver = None
+        np.testing.assert_allclose(f(x=x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        driven = [s for seg in exe._program.segments for s in seg.steps if isinstance(s, GemmStep)]
+        assert driven == gemms[:1]
+    finally:
+        drive.HELPER = saved
+        exe._program = None
+        for a in exe._arenas._free:
+            a.driver = None
 
 
 def test_other_convs_stay_off_the_channel_vector_kernel(monkeypatch):
