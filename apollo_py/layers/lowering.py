@@ -322,15 +322,19 @@ def _resize_step(node, graph: Graph, group: tuple):
     """The generated kernel of a ``resize2d`` node (codegen/resize.py; ops/resize2d.py says why)."""
     import hashlib
 
-    from ..codegen.resize import resize2d_kernel
+    from ..codegen import resize as R
     from .layer1 import FusedKernel
     x, out = graph.types[node.inputs[0]], graph.types[node.outputs[0]]
     n, c, h, w = x.shape
     oh, ow = out.shape[2:]
     taps = int(node.attrs["taps"])
-    # named by structure: resizes of one shape share one compiled kernel (the tables are params)
-    name = "resize_" + hashlib.sha1(f"{x.dtype}{n * c},{h},{w},{oh},{ow},{taps}".encode()).hexdigest()[:10]
-    loop = resize2d_kernel(name, n * c, h, w, oh, ow, taps, x.dtype)
+    consts = {v: nd.attrs["value"].array for nd in graph.nodes if nd.op == "constant" for v in nd.outputs}
+    tx, wx = (consts.get(v) for v in node.inputs[3:5])
+    phases = None if tx is None or wx is None or not R.PHASES else R.find_phases(np.asarray(tx), np.asarray(wx))
+    # named by structure: resizes of one shape and column pattern share one compiled kernel
+    # (the tables are params; the phase form inlines its periodic weights)
+    name = "resize_" + hashlib.sha1(f"{x.dtype}{n * c},{h},{w},{oh},{ow},{taps},{phases}".encode()).hexdigest()[:10]
+    loop = R.resize2d_kernel(name, n * c, h, w, oh, ow, taps, x.dtype, phases)
     ins, outs = tuple(node.inputs), (node.outputs[0],)
     fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,
                         signature="resize2d", parallel_dims=1, band_extents=(loop.parallel_extent,),
