@@ -123,3 +123,31 @@ def test_tap_tables_refuse_cubic():
     w, _ = resize_weights("linear", 5, 10, 2.0, "half_pixel")
     idx, wt = resize2d.tap_tables(w, 2, "float32")
     np.testing.assert_allclose((wt[:, :, None] * np.eye(5)[idx]).sum(0), w, rtol=1e-6)
+
+
+def test_phase_form_chosen_for_periodic_columns():
+    from apollo_py.codegen.resize import find_phases
+    from apollo_py.ops.compound_resize import resize_weights
+
+    def phases(n_in, n_out, mode):
+        w, _ = resize_weights("linear", n_in, n_out, n_out / n_in, mode)
+        return find_phases(*resize2d.tap_tables(w, 2, "float32"))
+    ph = phases(64, 128, "half_pixel")         # U-Net's 2x: period 2, one edge column each side
+    assert (ph.s, ph.p, ph.k_lo, ph.k_hi) == (2, 1, 1, 63)
+    assert ph.cols == ((-1, 0), (0, 1)) and ph.weights == ((0.25, 0.75), (0.75, 0.25))
+    assert phases(20, 30, "asymmetric").s == 3          # 1.5x: 3 outputs per 2 inputs
+    assert phases(40, 20, "half_pixel").p == 2          # 0.5x: stride-2 reads
+    assert phases(6, 5, "align_corners") is None        # no period with 4 whole periods
+
+
+@pytest.mark.parametrize("phases", [True, False])
+def test_phase_and_table_forms_agree(tmp_path, phases):
+    from apollo_py.codegen import resize as R
+    old = R.PHASES
+    R.PHASES = phases
+    try:
+        for scales in ([1, 1, 2, 2], [1, 1, 1.5, 0.5]):
+            for mode in ("linear", "nearest"):
+                _check(_model((1, 3, 10, 24), scales=scales, mode=mode), (1, 3, 10, 24), tmp_path / f"{phases}")
+    finally:
+        R.PHASES = old
