@@ -151,3 +151,13 @@ def test_phase_and_table_forms_agree(tmp_path, phases):
                 _check(_model((1, 3, 10, 24), scales=scales, mode=mode), (1, 3, 10, 24), tmp_path / f"{phases}")
     finally:
         R.PHASES = old
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_export_writes_standard_onnx(tmp_path, mode):
+    import onnxruntime as ort
+    f = _check(_model((1, 2, 5, 6), scales=[1, 1, 2, 1.5], mode=mode), (1, 2, 5, 6), tmp_path)
+    x = np.random.default_rng(3).standard_normal((1, 2, 5, 6)).astype(np.float32)
+    exported = ap.export(f)
+    got = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, np.asarray(f(x=x)), rtol=RTOL, atol=ATOL)
