@@ -284,6 +284,8 @@ class _Exporter:
             self._onnx_op(n, ins)
         elif op == "recurrent":
             self._recurrent(n, ins)
+        elif op == "resize2d":
+            self._resize2d(n, ins, out)
         else:
             raise UnsupportedOpError(op, n.label, "no ONNX export for this primitive")
 
@@ -318,6 +320,37 @@ class _Exporter:
                             [res if need else out])
         if need:
             self.node("Reshape", [res, self.ints(ot.shape, "shape")], [out])
+
+    def _resize2d(self, n: Node, ins: list[str], out: str):
+        """The ``resize2d`` primitive (ops/resize2d.py) as per-axis Gathers of its tap tables, each
+        tap scaled by its weights and summed (rows, then columns)."""
+        x, ty, wy, tx, wx = ins
+        taps = int(n.attrs["taps"])
+        cur = x
+        for axis, idx, wt in ((2, ty, wy), (3, tx, wx)):
+            terms = []
+            for t in range(taps):
+                k = self.const(np.array([t], np.int64), "tap")
+                it, its, g = self.fresh("tap_idx"), self.fresh("tap_idx"), self.fresh("rs_g")
+                self.node("Gather", [idx, k], [it], axis=0)
+                self.node("Squeeze", [it, self.const(np.array([0], np.int64), "axes")], [its])
+                self.node("Gather", [cur, its], [g], axis=axis)
+                if taps == 1:
+                    terms.append(g)
+                    continue
+                w, ws, m = self.fresh("tap_w"), self.fresh("tap_w"), self.fresh("rs_m")
+                self.node("Gather", [wt, k], [w], axis=0)
+                # [1, OH] -> [OH, 1] for rows; [1, OW] as is for columns
+                self.node("Reshape", [w, self.const(np.array([-1, 1] if axis == 2 else [1, -1], np.int64),
+                                                    "shape")], [ws])
+                self.node("Mul", [g, ws], [m])
+                terms.append(m)
+            nxt = out if axis == 3 else self.fresh("rs_rows")
+            if len(terms) == 1:
+                self.node("Identity", terms, [nxt])
+            else:
+                self.node("Add", terms, [nxt])
+            cur = nxt
 
     def _recurrent(self, n: Node, ins: list[str]):
         """The ``recurrent`` primitive as the ONNX LSTM / GRU / RNN node it runs: its input is

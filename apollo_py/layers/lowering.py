@@ -29,7 +29,7 @@ from .layer2 import absorb_concats, absorb_index_maps, stitch_groups
 from .steps import StepSpec
 
 REFERENCE_OPS = {"reshape", "transpose", "slice", "concat", "pad", "gather", "onnx_op", "scatter_add",
-                 "constant", "recurrent"}
+                 "constant", "recurrent", "resize2d"}
 BLAS_OPS = {"matmul", "conv"}
 
 
@@ -87,6 +87,9 @@ def lower_micro_graphs(graph: Graph, micro_graphs: Sequence, options: Options,
             if spec is not None:
                 steps.append(spec)
                 continue
+        if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "resize2d" and options.target == "cpu":
+            steps.append(_resize_step(nodes[0], graph, tuple(group)))
+            continue
         if len(members) == 1 and len(nodes) == 1 and nodes[0].op == "recurrent":
             spec = _recurrent_step(nodes[0], graph, options, tuple(group))
             if spec is not None:
@@ -312,6 +315,31 @@ def _gather_step(node, graph: Graph, group: tuple):
                         parallel_dims=1, band_extents=(loop.parallel_extent,), tile_sizes=(), flops=0,
                         bytes=2 * out.nbytes + idx.nbytes, reduce_form=None, strategy="gather",
                         schedule_ms=0.0, total_ms=0.0)
+    return StepSpec(ins, outs, fused=fused, micro_graphs=group)
+
+
+def _resize_step(node, graph: Graph, group: tuple):
+    """The generated kernel of a ``resize2d`` node (codegen/resize.py; ops/resize2d.py says why)."""
+    import hashlib
+
+    from ..codegen import resize as R
+    from .layer1 import FusedKernel
+    x, out = graph.types[node.inputs[0]], graph.types[node.outputs[0]]
+    n, c, h, w = x.shape
+    oh, ow = out.shape[2:]
+    taps = int(node.attrs["taps"])
+    consts = {v: nd.attrs["value"].array for nd in graph.nodes if nd.op == "constant" for v in nd.outputs}
+    tx, wx = (consts.get(v) for v in node.inputs[3:5])
+    phases = None if tx is None or wx is None or not R.PHASES else R.find_phases(np.asarray(tx), np.asarray(wx))
+    # named by structure: resizes of one shape and column pattern share one compiled kernel
+    # (the tables are params; the phase form inlines its periodic weights)
+    name = "resize_" + hashlib.sha1(f"{x.dtype}{n * c},{h},{w},{oh},{ow},{taps},{phases}".encode()).hexdigest()[:10]
+    loop = R.resize2d_kernel(name, n * c, h, w, oh, ow, taps, x.dtype, phases)
+    ins, outs = tuple(node.inputs), (node.outputs[0],)
+    fused = FusedKernel(loop=loop, nodes=(node,), inputs=ins, outputs=outs, param_values=ins + outs,
+                        signature="resize2d", parallel_dims=1, band_extents=(loop.parallel_extent,),
+                        tile_sizes=(), flops=(3 * taps - 1) * out.size, bytes=x.nbytes + out.nbytes,
+                        reduce_form=None, strategy="resize2d", schedule_ms=0.0, total_ms=0.0)
     return StepSpec(ins, outs, fused=fused, micro_graphs=group)
 
 

@@ -7,6 +7,7 @@ full op set; the registry module itself imports no op definitions.
 from .registry import OpDef, all_ops, get_op, has_op
 from . import primitives  # noqa: F401  (registers the primitives; primitives imports structural)
 from . import recurrent  # noqa: F401  (registers the recurrent primitive of LSTM / GRU / RNN)
+from . import resize2d  # noqa: F401  (registers the resize2d primitive of bilinear / nearest Resize)
 from .classify import classify, CLASSES
 from .registry import provide_table
 

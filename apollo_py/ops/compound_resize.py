@@ -33,6 +33,8 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi=None)
         extra = (x < 0) | (x > in_len - 1)
     elif mode == "pytorch_half_pixel":
         x = np.full(out_len, -0.5) if out_w == 1 else (y + 0.5) / scale - 0.5
+    elif mode == "tf_half_pixel_for_nn":     # opset 11 only
+        x = (y + 0.5) / scale
     elif mode == "half_pixel":
         x = (y + 0.5) / scale - 0.5
     elif mode == "half_pixel_symmetric":
@@ -98,6 +100,9 @@ def resize(b, x, out_shape, scales, kind: str = "nearest", coord_mode: str = "ha
     if kind != "nearest" and x.dtype not in FLOAT_DTYPES:
         raise ShapeError(f"{kind} resize needs a float input, got {x.dtype}")
     r = x.type.rank
+    direct = _direct(b, x, out_shape, scales, kind, coord_mode, nearest_mode, cubic_a, exclude_outside, roi)
+    if direct is not None:
+        return direct
     y = x
     for ax in range(r):
         n_in, n_out, s = x.shape[ax], int(out_shape[ax]), float(scales[ax])
@@ -125,3 +130,38 @@ def resize(b, x, out_shape, scales, kind: str = "nearest", coord_mode: str = "ha
         if perm is not None:
             y = b.transpose(y, perm=tuple(int(p) for p in np.argsort(perm)))
     return y
+
+
+def _direct(b, x, out_shape, scales, kind, coord_mode, nearest_mode, cubic_a, exclude_outside, roi):
+    """The ``resize2d`` node (ops/resize2d.py: one direct kernel) of a linear or nearest resize
+    of the two trailing axes of a float NCHW tensor with nothing extrapolated, or None (the
+    per-axis matmul / gather form below then runs it)."""
+    from . import resize2d
+    if not resize2d.ENABLED or x.type.rank != 4 or kind not in ("linear", "nearest") \
+            or x.dtype not in resize2d.DTYPES:
+        return None
+    r = 4
+    for ax in (0, 1):
+        ax_roi = None if roi is None else (float(roi[ax]), float(roi[r + ax]))
+        if int(out_shape[ax]) != x.shape[ax] or not math.isclose(float(scales[ax]), 1.0) \
+                or ax_roi not in (None, (0.0, 1.0)):
+            return None
+    taps = 2 if kind == "linear" else 1
+    tables = []
+    for ax in (2, 3):
+        n_in, n_out, s = x.shape[ax], int(out_shape[ax]), float(scales[ax])
+        if n_in == 0 or n_out == 0:
+            return None
+        ax_roi = None if roi is None else (float(roi[ax]), float(roi[r + ax]))
+        nm = nearest_mode
+        if nm == "simple":
+            nm = "ceil" if s < 1 else "floor"
+        if n_out == n_in and math.isclose(s, 1.0) and ax_roi in (None, (0.0, 1.0)):
+            w, extra = np.eye(n_in), np.zeros(n_in, bool)
+        else:
+            w, extra = resize_weights(kind, n_in, n_out, s, coord_mode, nm, cubic_a, exclude_outside, ax_roi)
+        tab = None if extra.any() else resize2d.tap_tables(w, taps, x.dtype)
+        if tab is None:
+            return None
+        tables += [b.constant(tab[0]), b.constant(tab[1])]
+    return b.op("resize2d", x, *tables, taps=taps)[0]
