@@ -60,6 +60,10 @@ CASES = {
         "recurrent", x(b, (3, 2, 4)), x(b, (1, 4, 4), name="r"), x(b, (1, 2, 4), name="h0"),
         x(b, (2,), "int32", "lens"), x(b, (1, 1), name="aux"), cell="rnn", hidden=4, directions=("forward",),
         acts=((("Tanh", 0.0, 0.0),),))[0]),
+    # a resize from tap tables reads input positions named by data (the tables): opaque, as gather
+    "resize2d": ("opaque", lambda b: b.op(
+        "resize2d", x(b, (1, 2, 4, 4)), x(b, (2, 8), "int64", "ty"), x(b, (2, 8), name="wy"),
+        x(b, (2, 8), "int64", "tx"), x(b, (2, 8), name="wx"), taps=2)[0]),
     "conv": ("opaque", lambda b: b.conv(x(b, (1, 2, 8, 8)), x(b, (3, 2, 3, 3), name="w"), strides=(1, 1),
                                         pads=(1, 1, 1, 1), dilations=(1, 1))),
 }
