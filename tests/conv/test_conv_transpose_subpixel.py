@@ -121,3 +121,21 @@ def test_layouts_it_does_not_cover_stay(tmp_path):
     plan = _run(res, x, tmp_path)
     gemm = next(k for k in plan.kernels if k.gemm is not None)
     assert "depth-to-space" in gemm.reason and "add" not in [n.op for n in gemm.gemm.nodes]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_unet_small_up_conv_is_one_step(exporter, batch, tmp_path):
+    """The zoo's small U-Net (both exporters): its up-conv is one GEMM step, no copy kernel, and
+    the model still matches onnxruntime."""
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "models", "zoo", f"unet_small.{exporter}.onnx")
+    x = np.random.default_rng(2).standard_normal((batch, 3, 16, 16)).astype(np.float32)
+    f = ap.jit(path, options=ap.Options(cache_dir=str(tmp_path)))
+    got = np.asarray(f(x=x))
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    assert any("depth-to-space" in k.reason for k in f.plan.kernels if k.gemm is not None)
+    # (the Resize's transposes are another matter)
+    assert not [k for k in _moves(f.plan) if any("ConvTranspose" in "".join(n.source) for n in
+                                                 (k.fused.nodes if k.fused is not None else k.nodes))]
