@@ -523,7 +523,8 @@ def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
         return _epilogue_kernel_rows(d, bl)
     from apollo_py.codegen import gemm_subpixel as SP
     form = SP.subpixel_form(d.out_shape, d.row_dims, d.out_perm) if SP.ENABLED else None
-    if form is not None and (form[0] > 1 or _col_run(d) % bl.nr):     # else: the run path below
+    # G == 1 only for a conv (a (k, 1) ConvTranspose): matmuls' transposed stores keep their paths
+    if form is not None and (form[0] > 1 or (d.conv is not None and _col_run(d) % bl.nr)):
         return SP.subpixel_epilogue_kernel(d, bl, _epilogue_params(d, bl), _operand_index, epilogue_locals)
     tile, info, *params = _epilogue_params(d, bl)
     ops, outs = params[:len(d.operands)], params[len(d.operands):]

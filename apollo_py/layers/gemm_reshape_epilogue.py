@@ -196,7 +196,10 @@ def fold_subpixel_stores(specs: list, graph: Graph) -> list:
         perm = tuple(int(p) for p in chain[1].attrs["perm"])
         rows, cols = prod(d.out_shape[:d.row_dims]), prod(d.out_shape[d.row_dims:])
         rd = next((q for q in range(len(split) + 1) if prod(split[:q]) == rows and prod(split[q:]) == cols), None)
-        if rd is None or subpixel_form(split, rd, perm) is None:
+        form = subpixel_form(split, rd, perm) if rd is not None else None
+        # G == 1 (no interleave) only after a conv: a matmul's head split (BERT's reshape ->
+        # transpose read by one kernel or the attention) is fold_operand_transposes' business
+        if form is None or (form[0] == 1 and d.conv is None):
             continue
         opshapes = [_refine(o.shape, d.out_shape, split) for o in d.operands]
         if any(s is None for s in opshapes):

@@ -36,11 +36,11 @@ def convt_model(cin, cout, ks, sp, batch=1, bias=True, relu=False, seed=0):
     return _model(nodes, [batch, cin, *sp], inits)
 
 
-def _run(model, x, tmp_path, flag=True):
+def _run(model, x, tmp_path, flag=True, gemm="auto"):
     old = GRE.SUBPIXEL_STORES
     GRE.SUBPIXEL_STORES = flag
     try:
-        f = ap.jit(model.SerializeToString(), options=ap.Options(cache_dir=str(tmp_path / str(flag))))
+        f = ap.jit(model.SerializeToString(), options=ap.Options(cache_dir=str(tmp_path / str(flag)), gemm=gemm))
         got = np.asarray(f(x=x))
     finally:
         GRE.SUBPIXEL_STORES = old
@@ -139,3 +139,33 @@ def test_unet_small_up_conv_is_one_step(exporter, batch, tmp_path):
     # (the Resize's transposes are another matter)
     assert not [k for k in _moves(f.plan) if any("ConvTranspose" in "".join(n.source) for n in
                                                  (k.fused.nodes if k.fused is not None else k.nodes))]
+
+
+def _matmul_chain(perm, split, final=None, scale=False):
+    rng = np.random.default_rng(0)
+    inits = {"w": (rng.standard_normal((32, 48)) / 6).astype(np.float32), "b": rng.standard_normal(48).astype(np.float32),
+             "split": np.array(split, np.int64), "s": np.array(0.5, np.float32)}
+    nodes = [N_("MatMul", ["x", "w"], ["m"]), N_("Add", ["m", "b"], ["a"]), N_("Reshape", ["a", "split"], ["r"]),
+             N_("Transpose", ["r"], ["t" if final or scale else "y"], perm=list(perm))]
+    if final:
+        inits["final"] = np.array(final, np.int64)
+        nodes.append(N_("Reshape", ["t", "final"], ["tf" if scale else "y"]))
+    if scale:
+        nodes.append(N_("Mul", ["tf" if final else "t", "s"], ["y"]))
+    return _model(nodes, [16, 32], inits)
+
+
+def test_matmul_result_stored_depth_to_space(tmp_path):
+    """Any generated GEMM: a [16, 48] product split [4, 4, 2, 24] and stored transposed (0, 2, 3, 1),
+    the last row dim innermost (groups of 4 rows), then reshaped and scaled: one step."""
+    x = np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32)
+    plan = _run(_matmul_chain((0, 2, 3, 1), [4, 4, 2, 24], [4, 2, 96], scale=True), x, tmp_path, gemm="generated")
+    assert len(plan.kernels) == 1 and "depth-to-space" in plan.kernels[0].reason, [k.reason for k in plan.kernels]
+
+
+def test_matmul_head_split_stays(tmp_path):
+    """BERT's head split (reshape [1, S, H, d] -> transpose (0, 2, 1, 3) -> one reader): not
+    this fold's (no interleave; fold_operand_transposes and the attention fold own it)."""
+    x = np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32)
+    plan = _run(_matmul_chain((0, 2, 1, 3), [1, 16, 4, 12], scale=True), x, tmp_path, gemm="generated")
+    assert not any("depth-to-space" in k.reason for k in plan.kernels)
