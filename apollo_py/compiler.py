@@ -64,9 +64,10 @@ def _compile_graph(graph: Graph, options: Options):
     _stage(progress, "layer 1 fusion", len(micro_graphs))
     specs = fold_blas(lower_micro_graphs(graph, micro_graphs, options, progress), graph,
                       blas_available=cblas() is not None)
-    from .layers.gemm_reshape_epilogue import fold_reshaped_epilogues
+    from .layers.gemm_reshape_epilogue import fold_reshaped_epilogues, fold_subpixel_stores
     from .layers.joint_gemm import join_projections
-    specs, graph = join_projections(fold_reshaped_epilogues(specs, graph), graph, options)
+    specs = fold_reshaped_epilogues(fold_subpixel_stores(specs, graph), graph)
+    specs, graph = join_projections(specs, graph, options)
     from .layers.attention import fold_attention
     specs = fold_attention(specs, graph, options)
     return build_cpu_executable(graph, micro_graphs, tuple(specs), options, progress)

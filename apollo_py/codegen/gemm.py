@@ -205,6 +205,9 @@ class GemmDesc:
     a_const: bool = False   # A is a constant (a conv's weight): packed once (CompiledGemm.packed_a)
     out_perm: Optional[tuple] = None   # outputs stored as transpose(C, out_perm) (a folded Transpose)
     stored_as: tuple = ()   # the values the stored outputs are bound to ("": ``outputs``)
+    #: the output buffers' shape when a reshape of ``transpose(C, out_perm)`` follows (a
+    #: depth-to-space store, codegen/gemm_subpixel.py); None: ``out_shape`` permuted
+    stored_reshape: Optional[tuple] = None
     #: a joint product (layers/joint_gemm.py): column segments of C, each a GemmDesc of its
     #: width ``n`` with its own epilogue, outputs and layout, in column order; this desc's
     #: ``operands`` / ``outputs`` / ``out_dtypes`` / ``stored_as`` are then theirs concatenated
@@ -212,7 +215,10 @@ class GemmDesc:
 
     @property
     def stored_shape(self) -> tuple:
-        """The shape of each output buffer: ``out_shape``, permuted by ``out_perm``."""
+        """The shape of each output buffer: ``out_shape``, permuted by ``out_perm`` (then
+        reshaped to ``stored_reshape`` when set)."""
+        if self.stored_reshape is not None:
+            return tuple(self.stored_reshape)
         if self.out_perm is None:
             return self.out_shape
         return tuple(self.out_shape[p] for p in self.out_perm)
@@ -515,6 +521,11 @@ def _col_only(o: EpiOperand, d: GemmDesc) -> bool:
 def _epilogue_kernel(d: GemmDesc, bl: Blocking) -> L.Kernel:
     if _row_run(d) >= bl.mr and all(_col_only(o, d) for o in d.operands):
         return _epilogue_kernel_rows(d, bl)
+    from apollo_py.codegen import gemm_subpixel as SP
+    form = SP.subpixel_form(d.out_shape, d.row_dims, d.out_perm) if SP.ENABLED else None
+    # G == 1 only for a conv (a (k, 1) ConvTranspose): matmuls' transposed stores keep their paths
+    if form is not None and (form[0] > 1 or (d.conv is not None and _col_run(d) % bl.nr)):
+        return SP.subpixel_epilogue_kernel(d, bl, _epilogue_params(d, bl), _operand_index, epilogue_locals)
     tile, info, *params = _epilogue_params(d, bl)
     ops, outs = params[:len(d.operands)], params[len(d.operands):]
     ii, jj = L.Var("ii"), L.Var("jj")

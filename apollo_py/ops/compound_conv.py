@@ -81,7 +81,10 @@ def _unpool_conv_transpose(b, x, w, bias=None):
     one 1x1 conv to ``C_out * prod(k)`` channels, then a reshape / transpose / reshape that puts
     each kernel offset at its place in the output.  The general decomposition below convolves
     the zero-interleaved input instead: ``prod(k)`` times the multiply-adds, all but one in
-    ``prod(k)`` of them with zeros (U-Net's up-conv: 25 of 171 ms at load 16)."""
+    ``prod(k)`` of them with zeros (U-Net's up-conv: 25 of 171 ms at load 16).  On the CPU the
+    conv's GEMM then stores its result straight into the shuffled layout, the reshape /
+    transpose / reshape folded into its epilogue (layers/gemm_reshape_epilogue.py,
+    ``fold_subpixel_stores``; codegen/gemm_subpixel.py)."""
     n, c_in = x.shape[:2]
     sp, ks = tuple(x.shape[2:]), tuple(w.shape[2:])
     nsp, cout = len(sp), w.shape[1]
