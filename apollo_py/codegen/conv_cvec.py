@@ -181,10 +181,23 @@ def cvec_blocking(g, m: int, vl: int = 16) -> CvecBlocking:
     return CvecBlocking(vl, nv, rb, cb, prefetch=PREFETCH_BYTES)
 
 
+#: split output rows into more bands until the tiles divide among the threads within
+#: ``BALANCE_SLACK`` (a tile count that is not a multiple of the thread count leaves one thread
+#: idle for the last tile); False: bands only for too few panels (A/B measurements)
+BALANCE = True
+BALANCE_SLACK = 1 / 16
+
+
+def _imbalance(tiles: int, threads: int) -> float:
+    """The busiest thread's tiles over the mean, equal tiles claimed one at a time."""
+    return -(-tiles // threads) * threads / tiles
+
+
 def cvec_layout(d, bl: CvecBlocking, threads: int) -> CvecLayout:
     """One tile per (image*group, panel); while that is fewer than ``tiles_per_thread *
     threads`` tiles, the output rows are split into bands (whole pixel tiles, at least one
-    tile row each)."""
+    tile row each); and (:data:`BALANCE`) into more while the tiles do not divide among the
+    threads within :data:`BALANCE_SLACK`."""
     from .gemm import k_blocks
     g = d.conv
     npan = -(-d.m // bl.nr)
@@ -193,8 +206,17 @@ def cvec_layout(d, bl: CvecBlocking, threads: int) -> CvecLayout:
     nb = 1
     if threads > 1 and d.batch * npan < want:
         nb = min(rows, -(-want // (d.batch * npan)))
-    per = -(-rows // nb)
-    bands = tuple((i * per * bl.rb, min(g.oh, (i + 1) * per * bl.rb)) for i in range(-(-rows // per)))
+
+    def split(nb):
+        per = -(-rows // nb)
+        return tuple((i * per * bl.rb, min(g.oh, (i + 1) * per * bl.rb)) for i in range(-(-rows // per)))
+    bands = split(nb)
+    if BALANCE and threads > 1:
+        # more bands while the last round of tiles leaves a thread idle for more than
+        # BALANCE_SLACK of the call (RegNetY's 336 channels: 11 panels, 6 tiles against 5)
+        while nb < rows and _imbalance(d.batch * npan * len(bands), threads) > 1 + BALANCE_SLACK:
+            nb += 1
+            bands = split(nb)
     nkc, kcb = k_blocks(d.k, bl.kc)
     ps = max(-(-((r1 - r0) * g.ow) // 16) * 16 for r0, r1 in bands)
     return CvecLayout(npan, bands, d.batch * npan * len(bands), nkc, kcb, ps)
