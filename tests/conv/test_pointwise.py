@@ -3,7 +3,8 @@ onnxruntime (rtol / atol 1e-5 of the output's scale) -- odd channel counts, 7x7 
 56x56 planes, strided, with a bias and ReLU / SiLU epilogues -- and which kernel each shape
 class gets (plan pins): the channel-vector conv for planes of at most ``conv_cvec.MAX_PIXELS``
 pixels, the row-reading conv (input read in place) for larger planes past
-``gemm.SMALL_CONV_FLOPS``, the implicit GEMM below it; and the channel-vector conv's balanced
+``gemm.SMALL_CONV_FLOPS``, the implicit GEMM below it except strided convs read in place (the
+channel-vector conv, ``conv_cvec.STRIDED_SMALL``); and the channel-vector conv's balanced
 split of tiles between threads (``conv_cvec.BALANCE``)."""
 import sys
 from pathlib import Path
@@ -33,6 +34,9 @@ CASES = {
     # under SMALL_CONV_FLOPS (14.5 MFLOP): the implicit GEMM, run inline by the native driver
     "56x56_48_small": ((1, 48, 56, 56), 48, 1, "Relu", "implicit-GEMM conv"),
     "28x28_odd_small": ((1, 37, 28, 28), 61, 1, "SiLU", "implicit-GEMM conv"),
+    # strided, under SMALL_CONV_FLOPS, any plane (conv_cvec.STRIDED_SMALL): the channel-vector conv
+    "112_s2_to_56_small": ((1, 32, 112, 112), 48, 2, "Relu", "channel-vector conv"),
+    "56_s2_odd_small": ((1, 37, 56, 57), 45, 2, "SiLU", "channel-vector conv"),
 }
 
 
@@ -51,6 +55,23 @@ def test_pointwise_matches_onnxruntime(case, balance, monkeypatch, tmp_path):
     np.testing.assert_allclose(got / scale, want / scale, rtol=1e-5, atol=1e-5)
     convs = [k for k in f.plan.kernels if "conv" in k.reason]
     assert len(convs) == 1 and kernel in convs[0].reason, str(f.plan)
+
+
+@pytest.mark.parametrize("case", ["112_s2_to_56_small", "56_s2_odd_small"])
+def test_strided_small_switch(case, monkeypatch, tmp_path):
+    """``STRIDED_SMALL`` off: the strided small 1x1 convs past MAX_PIXELS are the implicit GEMM's
+    again; the same numbers either way."""
+    xs, cout, s, act, _ = CASES[case]
+    m = conv_model(xs, (cout, xs[1], 1, 1), strides=(s, s), act=act)
+    x = np.random.default_rng(6).standard_normal(xs).astype(np.float32)
+    got = {}
+    for flag in (True, False):
+        monkeypatch.setattr(CV, "STRIDED_SMALL", flag)
+        f = apollo_py.jit(m, options=Options(num_threads=2, cache_dir=str(tmp_path / str(flag))))
+        got[flag] = f(x=x)
+        convs = [k for k in f.plan.kernels if "conv" in k.reason]
+        assert ("channel-vector conv" if flag else "implicit-GEMM conv") in convs[0].reason, str(f.plan)
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5 * float(np.abs(got[False]).max()))
 
 
 def _cvec_desc(x_shape, cout):
