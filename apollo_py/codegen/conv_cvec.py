@@ -45,6 +45,13 @@ ENABLED = True
 SMALL_SPLIT = True
 #: output planes of at most this many pixels take this kernel (larger: conv_rows / implicit GEMM)
 MAX_PIXELS = 196
+#: ... and so do strided 1x1 convs below ``SMALL_CONV_FLOPS`` that read their input in place,
+#: whatever their plane (the implicit GEMM they had packs a strided im2col per call: RegNetY's
+#: 32 -> 48 and 48 -> 120 stride-2 convs at 56x56 / 28x28 outputs, ResNet-like 64 -> 128 s2,
+#: 0.76-0.82x the time on one thread); False: MAX_PIXELS only (A/B measurements)
+STRIDED_SMALL = True
+#: (in one band: bands of 392 pixels measured 1.1-1.25x the time of one band of a 56x56 plane
+#: on one thread)
 
 
 def _registers(vl: int) -> int:
@@ -184,10 +191,23 @@ def cvec_blocking(g, m: int, vl: int = 16) -> CvecBlocking:
     return CvecBlocking(vl, nv, rb, cb, prefetch=PREFETCH_BYTES)
 
 
+#: split output rows into more bands until the tiles divide among the threads within
+#: ``BALANCE_SLACK`` (a tile count that is not a multiple of the thread count leaves one thread
+#: idle for the last tile); False: bands only for too few panels (A/B measurements)
+BALANCE = False
+BALANCE_SLACK = 1 / 16
+
+
+def _imbalance(tiles: int, threads: int) -> float:
+    """The busiest thread's tiles over the mean, equal tiles claimed one at a time."""
+    return -(-tiles // threads) * threads / tiles
+
+
 def cvec_layout(d, bl: CvecBlocking, threads: int) -> CvecLayout:
     """One tile per (image*group, panel); while that is fewer than ``tiles_per_thread *
     threads`` tiles, the output rows are split into bands (whole pixel tiles, at least one
-    tile row each)."""
+    tile row each); and (:data:`BALANCE`) into more while the tiles do not divide among the
+    threads within :data:`BALANCE_SLACK`."""
     from .gemm import k_blocks
     g = d.conv
     npan = -(-d.m // bl.nr)
@@ -196,8 +216,17 @@ def cvec_layout(d, bl: CvecBlocking, threads: int) -> CvecLayout:
     nb = 1
     if threads > 1 and d.batch * npan < want:
         nb = min(rows, -(-want // (d.batch * npan)))
-    per = -(-rows // nb)
-    bands = tuple((i * per * bl.rb, min(g.oh, (i + 1) * per * bl.rb)) for i in range(-(-rows // per)))
+
+    def split(nb):
+        per = -(-rows // nb)
+        return tuple((i * per * bl.rb, min(g.oh, (i + 1) * per * bl.rb)) for i in range(-(-rows // per)))
+    bands = split(nb)
+    if BALANCE and threads > 1:
+        # more bands while the last round of tiles leaves a thread idle for more than
+        # BALANCE_SLACK of the call (RegNetY's 336 channels: 11 panels, 6 tiles against 5)
+        while nb < rows and _imbalance(d.batch * npan * len(bands), threads) > 1 + BALANCE_SLACK:
+            nb += 1
+            bands = split(nb)
     nkc, kcb = k_blocks(d.k, bl.kc)
     ps = max(-(-((r1 - r0) * g.ow) // 16) * 16 for r0, r1 in bands)
     return CvecLayout(npan, bands, d.batch * npan * len(bands), nkc, kcb, ps)
@@ -206,7 +235,8 @@ def cvec_layout(d, bl: CvecBlocking, threads: int) -> CvecLayout:
 def cvec_reason(d, target: str = "cpu") -> str:
     """Why conv GEMM ``d`` (a :class:`~apollo_py.codegen.gemm.GemmDesc` with ``conv``) runs on
     the channel-vector kernel ("" = not): a CPU conv with a constant weight (the caller
-    checks) whose output plane has at most ``MAX_PIXELS`` pixels, at most ``MAX_TAPS`` taps a
+    checks) whose output plane has at most ``MAX_PIXELS`` pixels (or a strided 1x1 conv read in
+    place below ``SMALL_CONV_FLOPS``, :data:`STRIDED_SMALL`), at most ``MAX_TAPS`` taps a
     channel, whose padded copy (if it needs one) fits ``conv_rows.MAX_PAD_BYTES``, and whose
     padded output channels waste no more FMAs than the row-reading kernel's panels would
     (:func:`_rows_fill`; at least :data:`MIN_EFFICIENCY` useful where that kernel is not used)."""
@@ -216,9 +246,11 @@ def cvec_reason(d, target: str = "cpu") -> str:
         return ""
     if min(g.n, g.c, g.h, g.w, g.oh, g.ow, d.m, d.k) <= 0 or g.kh * g.kw > MAX_TAPS:
         return ""
-    if g.oh * g.ow > MAX_PIXELS:
+    from .gemm import SMALL_CONV_FLOPS, host_blocking
+    strided_small = (STRIDED_SMALL and (g.kh, g.kw) == (1, 1) and tuple(g.strides) != (1, 1)
+                     and cvec_geom(g).in_place and 2 * d.batch * d.m * d.n * d.k < SMALL_CONV_FLOPS)
+    if g.oh * g.ow > MAX_PIXELS and not strided_small:
         return ""
-    from .gemm import host_blocking
     eff = _panel_choice(d.m, host_blocking().vl)[0]
     if eff < MIN_EFFICIENCY:
         return ""
