@@ -40,6 +40,35 @@ def _feeds(name: str) -> dict:
             for i in onnx.load(os.path.join(ZOO, name + ".onnx")).graph.input}
 
 
+def rebuild(exes, f, feeds) -> None:
+    """Drop the driver programs of ``exes`` (and their arenas' tables) so that the next call of
+    ``f`` builds them under the flags now set, and make that call."""
+    for e in exes:
+        e._program = None
+        for a in e._arenas._free:
+            a.driver = None
+    f(**feeds)
+
+
+def ort_session(path: str, threads: int):
+    """onnxruntime with all optimisations, ``threads`` intra-op threads, no spinning."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def timed(fn, calls: int) -> float:
+    """Median ms per call of ``calls`` calls of ``fn``."""
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
+
+
 def main() -> None:
     ap_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap_.add_argument("models", nargs="*", default=DEFAULT)
@@ -54,8 +83,6 @@ def main() -> None:
     if args.share:
         _share_ab(args)
         return
-    import onnxruntime as ort
-
     import apollo_py as ap
     from apollo_py.runtime import drive
     from apollo_py.runtime.cpu import CpuExecutable
@@ -71,16 +98,9 @@ def main() -> None:
 
         def arm(on) -> None:
             drive.HELPER = on
-            for e in exes:
-                e._program = None
-                for a in e._arenas._free:
-                    a.driver = None
-            f(**feeds)
+            rebuild(exes, f, feeds)
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = args.threads
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        sess = ort_session(path, args.threads)
         arm(False)
         off = f(**feeds)
         off = [np.array(r) for r in (off if isinstance(off, (list, tuple)) else [off])]
@@ -89,21 +109,13 @@ def main() -> None:
         on = [np.array(r) for r in (on if isinstance(on, (list, tuple)) else [on])]
         same = all(np.array_equal(a, b) for a, b in zip(off, on))
 
-        def timed(fn, n=args.calls) -> float:
-            ts = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            return float(np.median(ts)) * 1e3
-
         res = {"off": [], "helper": [], "ort": []}
         for _ in range(args.rounds):
             arm(False)
-            res["off"].append(timed(lambda: f(**feeds)))
+            res["off"].append(timed(lambda: f(**feeds), args.calls))
             arm(on_value)
-            res["helper"].append(timed(lambda: f(**feeds)))
-            res["ort"].append(timed(lambda: sess.run(None, feeds)))
+            res["helper"].append(timed(lambda: f(**feeds), args.calls))
+            res["ort"].append(timed(lambda: sess.run(None, feeds), args.calls))
         med = {k: float(np.median(v)) for k, v in res.items()}
         print(f"{name}: off {med['off']:.3f} ms, helper {med['helper']:.3f} ms, onnxruntime {med['ort']:.3f} ms; "
               f"helper/off {med['helper'] / med['off']:.3f}, apollo/ort {med['off'] / med['ort']:.2f} -> "
@@ -113,8 +125,6 @@ def main() -> None:
 
 def _share_ab(args) -> None:
     """The ``--share`` arms, interleaved per round; median of per-call medians."""
-    import onnxruntime as ort
-
     import apollo_py as ap
     from apollo_py.runtime import drive, gemm_step
     from apollo_py.runtime.cpu import CpuExecutable
@@ -135,25 +145,10 @@ def _share_ab(args) -> None:
                 drive.SHARE_BIG = which in ("big", "solo")
                 # a call that does not ask for the helper: the first program, no helper
                 drive.helper_wanted = (lambda: False) if which.endswith("solo") else saved[4]
-                for e in exes:
-                    e._program = None
-                    for a in e._arenas._free:
-                        a.driver = None
-                f(**feeds)
+                rebuild(exes, f, feeds)
 
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = args.threads
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            sess = ort_session(path, args.threads)
             ref = sess.run(None, feeds)
-
-            def timed(fn) -> float:
-                ts = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                return float(np.median(ts)) * 1e3
 
             from apollo_py.cpuload import cpu_busy, others_share, own_cpu
             res = {k: [] for k in (*arms, "ort")}
@@ -162,12 +157,12 @@ def _share_ab(args) -> None:
                 b0, o0, t0 = cpu_busy(), own_cpu(), time.perf_counter()
                 for which in arms:
                     arm(which)
-                    res[which].append(timed(lambda: f(**feeds)))
+                    res[which].append(timed(lambda: f(**feeds), args.calls))
                     got = f(**feeds)
                     got = got if isinstance(got, (list, tuple)) else [got]
                     worst = max(worst, max(float(np.abs(np.asarray(g) - r).max() / max(1e-30, np.abs(r).max()))
                                            for g, r in zip(got, ref)))
-                res["ort"].append(timed(lambda: sess.run(None, feeds)))
+                res["ort"].append(timed(lambda: sess.run(None, feeds), args.calls))
                 loads.append(os.getloadavg()[0])
                 # what other processes ran during the round, in cores (the quiet rounds: < 0.4)
                 share = others_share(b0, o0, cpu_busy(), own_cpu(), time.perf_counter() - t0)

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from helper_ab import ort_session, rebuild, timed    # benchmarks/ (the script's folder)
+
 ZOO = os.path.expanduser("~/.cache/apollo_py_zoo")
 DEFAULT = ["dlrm.torchscript.onnx", "t5_small.torchscript.onnx", "swin_t.torchscript.onnx"]
 
@@ -48,8 +50,6 @@ def main() -> None:
     ap_.add_argument("--threads", type=int, default=2)
     ap_.add_argument("--calls", type=int, default=20, help="calls per arm and round (median taken)")
     args = ap_.parse_args()
-    import onnxruntime as ort
-
     import apollo_py as ap
     from apollo_py.runtime import drive
     from apollo_py.runtime.cpu import CpuExecutable
@@ -65,27 +65,12 @@ def main() -> None:
 
             def arm(which: str) -> None:
                 drive.HELPER = which != "one"
-                GemmStep.shares_tiles = shares if which in ("shared", "solo") else (lambda self: False)
+                GemmStep.shares_tiles = shares if which in ("shared", "solo") else (lambda self, big=False: False)
                 drive._start_helper = (lambda pool, tables: None) if which == "solo" else start
-                for e in exes:
-                    e._program = None
-                    for a in e._arenas._free:
-                        a.driver = None
-                f(**feeds)
+                rebuild(exes, f, feeds)
 
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = args.threads
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            sess = ort_session(path, args.threads)
             ref = sess.run(None, feeds)
-
-            def timed(fn) -> float:
-                ts = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                return float(np.median(ts)) * 1e3
 
             arms = ("one", "pool", "shared", "solo")
             res = {k: [] for k in (*arms, "ort")}
@@ -93,13 +78,13 @@ def main() -> None:
             for _ in range(args.rounds):
                 for which in arms:
                     arm(which)
-                    res[which].append(timed(lambda: f(**feeds)))
+                    res[which].append(timed(lambda: f(**feeds), args.calls))
                     got = f(**feeds)
                     got = got if isinstance(got, (list, tuple)) else [got]
                     worst = max(worst, max(float(np.abs(np.asarray(g) - r).max() / max(1e-30, np.abs(r).max()))
                                            for g, r in zip(got, ref)))
                     time.sleep(0.05)
-                res["ort"].append(timed(lambda: sess.run(None, feeds)))
+                res["ort"].append(timed(lambda: sess.run(None, feeds), args.calls))
                 time.sleep(0.05)
             med = {k: float(np.median(v)) for k, v in res.items()}
             print(f"{name}: one {med['one']:.3f} ms, pool {med['pool']:.3f}, shared {med['shared']:.3f}, "
