@@ -38,6 +38,9 @@ def _compile_graph(graph: Graph, options: Options):
     from .progress import Progress
     progress = Progress(graph.name, options.progress)
     _stage(progress, "preprocess")
+    if options.target in ("cuda", "cuda-emu"):     # no resize2d kernel there (partition/resize_unfuse.py)
+        from .partition.resize_unfuse import unfuse_resize2d
+        graph = unfuse_resize2d(graph)
     graph = preprocess(graph, options)
     _stage(progress, "partition")
     micro_graphs = partition(graph, options)

@@ -161,3 +161,22 @@ def test_export_writes_standard_onnx(tmp_path, mode):
     exported = ap.export(f)
     got = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, np.asarray(f(x=x)), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("shape, scales, sizes", [CASES[0], NEAREST_CASES[1], CASES[2]])
+def test_cuda_targets_get_the_separable_form(tmp_path, mode, shape, scales, sizes):
+    """cuda-emu has no resize2d kernel: the node is written back as transposes and matmuls
+    (nearest: gathers) before partitioning (partition/resize_unfuse.py), never a numpy step,
+    with the same numbers as onnxruntime."""
+    import onnxruntime as ort
+    model = _model(shape, scales=scales, sizes=sizes, mode=mode)
+    data = model.SerializeToString()
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    f = ap.jit(data, options=ap.Options(target="cuda-emu", cache_dir=str(tmp_path)))
+    got = np.asarray(f(x=x))
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    ops = {n.op for n in f.plan.graph.nodes}
+    assert "resize2d" not in ops and ("matmul" in ops) == (mode == "linear"), ops
