@@ -239,6 +239,33 @@ def _gather(b, node, xs, y, g, needs):
     return [b.op("scatter_add", base, idx, g, axis=node.attrs["axis"])[0], None]
 
 
+def _resize2d(b, node, xs, y, g, needs):
+    """``resize2d`` (ops/resize2d.py) is ``y = sum_t gather(rows, tx[t], 3) * wx[t]`` over
+    ``rows = sum_t gather(x, ty[t], 2) * wy[t][:, None]``: its VJP scatters the cotangent back
+    through the column taps, then the row taps.  The tap tables (constants) get none."""
+    x, ty, wy, tx, wx = xs
+    if not needs[0]:
+        return [None] * 5
+    from . import prims  # noqa: F401  (registers scatter_add)
+    taps = int(node.attrs["taps"])
+    n, c, h, w = x.shape
+    oh, ow = ty.shape[1], tx.shape[1]
+
+    def tap(table, t, shape):
+        return b.reshape(b.gather(table, b.constant(np.array([t], np.int64)), axis=0), shape=shape)
+
+    def back(grad, idx, wt, axis, shape, wshape):
+        acc = None
+        for t in range(taps):
+            term = b.op("scatter_add", zeros(b, shape, g.dtype), tap(idx, t, (idx.shape[1],)),
+                        b.mul(grad, tap(wt, t, wshape)), axis=axis)[0]
+            acc = term if acc is None else b.add(acc, term)
+        return acc
+
+    g_rows = back(g, tx, wx, 3, (n, c, oh, w), (ow,))
+    return [back(g_rows, ty, wy, 2, (n, c, h, w), (oh, 1)), None, None, None, None]
+
+
 def _scatter_add(b, node, xs, y, g, needs):
     data, idx, upd = xs
     gu = b.gather(g, idx, axis=node.attrs["axis"]) if needs[2] else None
@@ -252,6 +279,6 @@ RULES = {
     "reduce_sum": _reduce_sum, "reduce_prod": _reduce_prod,
     "reduce_max": _reduce_extremum, "reduce_min": _reduce_extremum,
     "reshape": _reshape, "transpose": _transpose, "concat": _concat, "matmul": _matmul,
-    "gather": _gather, "scatter_add": _scatter_add,
+    "gather": _gather, "scatter_add": _scatter_add, "resize2d": _resize2d,
 }
 RULES.update({name: _unary(fn) for name, fn in _UNARY.items()})

@@ -238,3 +238,17 @@ def test_recurrent_has_no_gradient_yet():
                  acts=((("Tanh", 0.0, 0.0),),))
     with pytest.raises(UnsupportedOpError, match="'rnn'"):
         grad(b.build([b.reduce_sum(yh, axes=(0, 1, 2), keepdims=False)]), ["xp"])
+
+
+@pytest.mark.parametrize("taps, oh, ow", [(2, 7, 5), (1, 6, 9)])
+def test_resize2d(taps, oh, ow):
+    """The direct resize's VJP (through its column, then row taps) against central differences,
+    with repeated source indices (upsampling) and unequal weights."""
+    rng = np.random.default_rng(3)
+    x = _rand(rng, (2, 3, 4, 6))
+    ty = rng.integers(0, 4, (taps, oh))
+    tx = rng.integers(0, 6, (taps, ow))
+    wy = rng.uniform(0, 1, (taps, oh)) if taps == 2 else np.ones((1, oh))
+    wx = rng.uniform(0, 1, (taps, ow)) if taps == 2 else np.ones((1, ow))
+    check_vjp(lambda b, v: b.op("resize2d", v, b.constant(ty), b.constant(wy), b.constant(tx), b.constant(wx),
+                                taps=taps)[0], [x], rng=rng)
