@@ -149,17 +149,8 @@ class GemmStep:
         from ..codegen.conv_rows import CompiledConvRows
         from ..codegen.gemm import CompiledGemm
         cg = self.compiled
-        kind = type(cg)
-        if kind is CompiledGemm:
-            if cg.desc.conv is not None and not SHARE_CONVS:
-                return False
-        elif kind is CompiledConvCvec:
-            if not SHARE_CONVS:
-                return False
-        elif kind is CompiledConvRows:
-            if not SHARE_CONVS:
-                return False
-        else:
+        if type(cg) not in (CompiledGemm, CompiledConvCvec, CompiledConvRows) \
+                or (cg.desc.conv is not None and not SHARE_CONVS):
             return False
         if cg.layout.tiles < 2:
             return False
@@ -197,7 +188,7 @@ class GemmStep:
                 key = f"\0packed_{'ab'[k]}:{d.name}:{args[k]}"
                 packed[key] = pack(constants[args[k]])
                 args[k] = key
-        rows = isinstance(getattr(cg, "_no_side", None), np.ndarray)     # conv_rows.CompiledConvRows
+        rows = _row_reading(cg)
         if rows:
             # the row-reading conv's padded copy (made by its calls: PAD_KEY, or the input
             # itself), its side copy (SIDE_KEY, copy_call's) and the input
@@ -227,7 +218,7 @@ class GemmStep:
     def counter_words(self) -> int:
         """int64 words of the kernel's shared counter (the row-reading conv's has four: its
         padded copy's chunks, then its tiles)."""
-        return 4 if isinstance(getattr(self.compiled, "_no_side", None), np.ndarray) else 2
+        return 4 if _row_reading(self.compiled) else 2
 
     def scratch_buffers(self) -> dict:
         """``{PAD_KEY | SIDE_KEY: (kind, float32 elements)}``: the per-arena buffers that the
@@ -237,7 +228,7 @@ class GemmStep:
         conv's padded copy, which its pad kernel writes whole."""
         cg = self.compiled
         out = {}
-        if isinstance(getattr(cg, "_no_side", None), np.ndarray):
+        if _row_reading(cg):
             if not cg.in_place:
                 out[PAD_KEY] = ("rows", cg.pad_size + cg.slack)
             if cg.tail:
@@ -253,7 +244,7 @@ class GemmStep:
         conv's padded copy, a row-reading conv's side copy (the tail columns of each channel,
         :func:`side_kernel`); None: none."""
         cg = self.compiled
-        if isinstance(getattr(cg, "_no_side", None), np.ndarray):
+        if _row_reading(cg):
             if not cg.tail:
                 return None
             k = self.__dict__.get("_side_kernel")
@@ -378,6 +369,12 @@ def tuned_blocking(d, decision, base=None):
             bl = cand
     t = decision.get("threads")
     return bl, (t == 1) if t in (1, 2) else None
+
+
+def _row_reading(cg) -> bool:
+    """Whether ``cg`` is a row-reading conv (codegen/conv_rows.py: padded and side copies)."""
+    from ..codegen.conv_rows import CompiledConvRows
+    return isinstance(cg, CompiledConvRows)
 
 
 def side_kernel(cg):
