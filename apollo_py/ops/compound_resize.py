@@ -105,17 +105,13 @@ def resize(b, x, out_shape, scales, kind: str = "nearest", coord_mode: str = "ha
         return direct
     y = x
     for ax in range(r):
-        n_in, n_out, s = x.shape[ax], int(out_shape[ax]), float(scales[ax])
-        ax_roi = None if roi is None else (float(roi[ax]), float(roi[r + ax]))
-        if n_out == n_in and math.isclose(s, 1.0) and (ax_roi is None or ax_roi == (0.0, 1.0)):
+        n_in, n_out = x.shape[ax], int(out_shape[ax])
+        if _identity(x, out_shape, scales, roi, ax):
             continue
         if n_in == 0 or n_out == 0:
             raise ShapeError(f"cannot resize dim {ax} from {n_in} to {n_out}")
-        nm = nearest_mode
-        if nm == "simple":  # opset < 11: truncate when upsampling, ceil when downsampling
-            nm = "ceil" if s < 1 else "floor"
-        w, extra = resize_weights(kind, n_in, n_out, s, coord_mode, nm, cubic_a,
-                                  exclude_outside, ax_roi)
+        w, extra = _axis_weights(kind, x, out_shape, scales, roi, ax, coord_mode, nearest_mode, cubic_a,
+                                 exclude_outside)
         if kind == "nearest" and not extra.any():
             y = b.gather(y, b.constant(w.argmax(axis=1).astype(np.int64)), axis=ax)
             continue
@@ -140,28 +136,41 @@ def _direct(b, x, out_shape, scales, kind, coord_mode, nearest_mode, cubic_a, ex
     if not resize2d.ENABLED or x.type.rank != 4 or kind not in ("linear", "nearest") \
             or x.dtype not in resize2d.DTYPES:
         return None
-    r = 4
-    for ax in (0, 1):
-        ax_roi = None if roi is None else (float(roi[ax]), float(roi[r + ax]))
-        if int(out_shape[ax]) != x.shape[ax] or not math.isclose(float(scales[ax]), 1.0) \
-                or ax_roi not in (None, (0.0, 1.0)):
-            return None
+    if not (_identity(x, out_shape, scales, roi, 0) and _identity(x, out_shape, scales, roi, 1)):
+        return None
     taps = 2 if kind == "linear" else 1
     tables = []
     for ax in (2, 3):
-        n_in, n_out, s = x.shape[ax], int(out_shape[ax]), float(scales[ax])
+        n_in, n_out = x.shape[ax], int(out_shape[ax])
         if n_in == 0 or n_out == 0:
             return None
-        ax_roi = None if roi is None else (float(roi[ax]), float(roi[r + ax]))
-        nm = nearest_mode
-        if nm == "simple":
-            nm = "ceil" if s < 1 else "floor"
-        if n_out == n_in and math.isclose(s, 1.0) and ax_roi in (None, (0.0, 1.0)):
+        if _identity(x, out_shape, scales, roi, ax):
             w, extra = np.eye(n_in), np.zeros(n_in, bool)
         else:
-            w, extra = resize_weights(kind, n_in, n_out, s, coord_mode, nm, cubic_a, exclude_outside, ax_roi)
+            w, extra = _axis_weights(kind, x, out_shape, scales, roi, ax, coord_mode, nearest_mode, cubic_a,
+                                     exclude_outside)
         tab = None if extra.any() else resize2d.tap_tables(w, taps, x.dtype)
         if tab is None:
             return None
         tables += [b.constant(tab[0]), b.constant(tab[1])]
     return b.op("resize2d", x, *tables, taps=taps)[0]
+
+
+def _axis_roi(roi, r: int, ax: int):
+    return None if roi is None else (float(roi[ax]), float(roi[r + ax]))
+
+
+def _identity(x, out_shape, scales, roi, ax: int) -> bool:
+    """Whether axis ``ax`` keeps its length at scale 1 over the whole roi (nothing to resize)."""
+    return (int(out_shape[ax]) == x.shape[ax] and math.isclose(float(scales[ax]), 1.0)
+            and _axis_roi(roi, x.type.rank, ax) in (None, (0.0, 1.0)))
+
+
+def _axis_weights(kind, x, out_shape, scales, roi, ax: int, coord_mode, nearest_mode, cubic_a, exclude_outside):
+    """:func:`resize_weights` of axis ``ax`` (``[out, in]`` weights, extrapolated rows)."""
+    s = float(scales[ax])
+    nm = nearest_mode
+    if nm == "simple":  # opset < 11: truncate when upsampling, ceil when downsampling
+        nm = "ceil" if s < 1 else "floor"
+    return resize_weights(kind, x.shape[ax], int(out_shape[ax]), s, coord_mode, nm, cubic_a, exclude_outside,
+                          _axis_roi(roi, x.type.rank, ax))
